@@ -1,0 +1,1 @@
+"""Paged KV cache: block pool, prefix caching, paged storage and attention."""

@@ -1,0 +1,105 @@
+"""Read and write HF-layout checkpoints: config.json + safetensors (+ tokenizer files).
+
+Only safetensors and GGUF are ever deserialised; pickle-based weights are refused.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+class UnsafeWeightsError(ValueError):
+    """Raised for pickle-based weights, which can execute code when loaded."""
+
+
+@dataclass
+class HFCheckpoint:
+    """An HF checkpoint in memory: config dicts and tensors under HF parameter names."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    source: Path | None = None
+
+
+def _refuse_pickle(path: Path) -> None:
+    raise UnsafeWeightsError(
+        f"refusing to load pickle weights at {path}: pickle can run arbitrary code. "
+        "Convert the checkpoint to safetensors (or GGUF) first."
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / s for s in shards]
+    return sorted(directory.glob("*.safetensors"))
+
+
+def read_checkpoint(path: str | Path) -> HFCheckpoint:
+    """Load a checkpoint directory or a single .gguf file (dequantised to fp32)."""
+    path = Path(path)
+    if path.suffix in PICKLE_SUFFIXES:
+        _refuse_pickle(path)
+    if path.suffix == ".gguf":
+        from models.gguf_file import read_gguf
+
+        return read_gguf(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory or .gguf file at {path}")
+    config_path = path / "config.json"
+    files = safetensors_files(path)
+    if not files:
+        pickles = [p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES]
+        if pickles:
+            _refuse_pickle(pickles[0])
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1 and not config_path.exists():
+            return read_checkpoint(ggufs[0])
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    if not config_path.exists():
+        raise FileNotFoundError(f"no config.json in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(f))
+    return HFCheckpoint(
+        config=_read_json(config_path),
+        tensors=tensors,
+        generation_config=_read_json(path / "generation_config.json"),
+        source=path,
+    )
+
+
+def write_checkpoint(ckpt: HFCheckpoint, out_dir: str | Path, tokenizer: Any | None = None,
+                     dtype: torch.dtype | None = None) -> Path:
+    """Write config.json, model.safetensors and the tokenizer: loadable by transformers and by us."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in ckpt.tensors.items()}
+    config = dict(ckpt.config)
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if ckpt.generation_config:
+        (out / "generation_config.json").write_text(json.dumps(ckpt.generation_config, indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    elif ckpt.source is not None and ckpt.source.is_dir():
+        for name in TOKENIZER_FILES:
+            if (ckpt.source / name).exists():
+                (out / name).write_bytes((ckpt.source / name).read_bytes())
+    return out

@@ -1,0 +1,84 @@
+"""Map HF parameter names and layouts onto DecoderLM's (fused qkv, fused gate/up)."""
+from __future__ import annotations
+
+import torch
+
+from models.config import ModelConfig
+from models.hf_config import LLAMA_FAMILY
+
+# HF buffers that are not parameters (old GPT-2 checkpoints carry causal-mask buffers).
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+def _pop(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in hf:
+        raise KeyError(f"checkpoint is missing tensor {name!r}")
+    return hf.pop(name)
+
+
+def _bigcode_mha_to_qkv(w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """GPTBigCode MHA interleaves q,k,v per head; regroup into [q | k | v] (bias too)."""
+    h, d = cfg.num_heads, cfg.head_dim
+    per_head = w.reshape(h, 3, d, *w.shape[1:])  # (H, 3, D, ...)
+    return per_head.transpose(0, 1).reshape(w.shape)  # (3 * H * D, ...)
+
+
+def _llama_layer(hf: dict[str, torch.Tensor], cfg: ModelConfig, i: int, out: dict[str, torch.Tensor]) -> None:
+    src, dst = f"model.layers.{i}.", f"layers.{i}."
+    out[dst + "attn_norm.weight"] = _pop(hf, src + "input_layernorm.weight")
+    out[dst + "mlp_norm.weight"] = _pop(hf, src + "post_attention_layernorm.weight")
+    for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+        out[dst + f"attn.qkv_proj.{kind}"] = torch.cat(
+            [_pop(hf, src + f"self_attn.{p}_proj.{kind}") for p in "qkv"]
+        )
+    for kind in ("weight", "bias") if cfg.o_bias else ("weight",):
+        out[dst + f"attn.o_proj.{kind}"] = _pop(hf, src + f"self_attn.o_proj.{kind}")
+    for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
+        out[dst + f"mlp.gate_up_proj.{kind}"] = torch.cat(
+            [_pop(hf, src + f"mlp.gate_proj.{kind}"), _pop(hf, src + f"mlp.up_proj.{kind}")]
+        )
+        out[dst + f"mlp.down_proj.{kind}"] = _pop(hf, src + f"mlp.down_proj.{kind}")
+
+
+def _gpt2_layer(hf: dict[str, torch.Tensor], cfg: ModelConfig, i: int, out: dict[str, torch.Tensor]) -> None:
+    src, dst = f"transformer.h.{i}.", f"layers.{i}."
+    conv1d = cfg.architecture == "gpt2"  # GPT-2 stores Conv1D weights as (in, out)
+    names = {"attn.c_attn": "attn.qkv_proj", "attn.c_proj": "attn.o_proj",
+             "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj",
+             "ln_1": "attn_norm", "ln_2": "mlp_norm"}
+    for hf_name, ours in names.items():
+        for kind in ("weight", "bias"):
+            t = _pop(hf, f"{src}{hf_name}.{kind}")
+            if kind == "weight" and conv1d and not hf_name.startswith("ln"):
+                t = t.t()
+            if hf_name == "attn.c_attn" and cfg.architecture == "gpt_bigcode" and cfg.num_kv_heads > 1:
+                t = _bigcode_mha_to_qkv(t, cfg)
+            out[f"{dst}{ours}.{kind}"] = t
+
+
+def hf_to_internal(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename/fuse HF tensors into DecoderLM's state dict; every tensor must be used exactly once."""
+    hf = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    out: dict[str, torch.Tensor] = {}
+    if cfg.architecture in LLAMA_FAMILY:
+        out["embed.weight"] = _pop(hf, "model.embed_tokens.weight")
+        out["final_norm.weight"] = _pop(hf, "model.norm.weight")
+        for i in range(cfg.num_layers):
+            _llama_layer(hf, cfg, i, out)
+    else:
+        out["embed.weight"] = _pop(hf, "transformer.wte.weight")
+        out["pos_embed.weight"] = _pop(hf, "transformer.wpe.weight")
+        out["final_norm.weight"] = _pop(hf, "transformer.ln_f.weight")
+        out["final_norm.bias"] = _pop(hf, "transformer.ln_f.bias")
+        for i in range(cfg.num_layers):
+            _gpt2_layer(hf, cfg, i, out)
+    lm_head = hf.pop("lm_head.weight", None)
+    if cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["embed.weight"]
+    elif lm_head is None:
+        raise KeyError("checkpoint is missing tensor 'lm_head.weight' and does not tie embeddings")
+    else:
+        out["lm_head.weight"] = lm_head
+    if hf:
+        raise KeyError(f"checkpoint has tensors this architecture does not use: {sorted(hf)[:8]}")
+    return out

@@ -1,0 +1,83 @@
+"""Tiny random checkpoints in HF layout, made offline: transformers config + a BPE trained here."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = """Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex.
+Complex is better than complicated. Flat is better than nested. Sparse is better than dense.
+Readability counts. Special cases aren't special enough to break the rules. Although practicality beats purity.
+Errors should never pass silently. Unless explicitly silenced. In the face of ambiguity, refuse the temptation to guess.
+There should be one and preferably only one obvious way to do it. Now is better than never.
+The capital of France is Paris. The quick brown fox jumps over the lazy dog. Attention is all you need.
+Keys and values are cached in blocks of sixteen tokens; queries attend to every earlier position.
+Shall I compare thee to a summer's day? Thou art more lovely and more temperate.
+0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 32 64 128 256 512 1024 hello world user assistant system
+"""
+ARCHS = ("llama", "mistral", "qwen2", "gpt2", "gpt_bigcode")
+
+
+def train_tokenizer(vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.splitlines() * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>", pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def hf_config(arch: str, vocab_size: int, eos: int, bos: int, kv_heads: int | None = None):
+    import transformers as T
+
+    common = dict(vocab_size=vocab_size, eos_token_id=eos, bos_token_id=bos, pad_token_id=0)
+    llama_like = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      max_position_embeddings=512, initializer_range=0.3, rms_norm_eps=1e-5, **common)
+    gpt_like = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.3, **common)
+    if arch == "llama":  # GQA, tied embeddings, llama3 RoPE scaling
+        return T.LlamaConfig(num_key_value_heads=kv_heads or 2, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, **llama_like)
+    if arch == "mistral":  # MQA, linear RoPE scaling
+        return T.MistralConfig(num_key_value_heads=kv_heads or 1, sliding_window=None, rope_parameters={
+            "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}, **llama_like)
+    if arch == "qwen2":  # GQA with q/k/v bias
+        return T.Qwen2Config(num_key_value_heads=kv_heads or 2, **llama_like)
+    if arch == "gpt2":  # MHA, learned positions, LayerNorm, GELU, Conv1D
+        return T.GPT2Config(**gpt_like)
+    if arch == "gpt_bigcode":  # MQA
+        return T.GPTBigCodeConfig(multi_query=(kv_heads or 1) == 1, **gpt_like)
+    raise ValueError(arch)
+
+
+def make_checkpoint(out: Path, arch: str, seed: int = 0, kv_heads: int | None = None,
+                    max_shard_size: str | None = None) -> Path:
+    """Write a random `arch` model + trained tokenizer to `out`; returns `out`."""
+    from transformers import AutoModelForCausalLM
+
+    tok = train_tokenizer()
+    eos, bos = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")
+    cfg = hf_config(arch, len(tok), eos, bos, kv_heads)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    tok.save_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["model_type"] == arch
+    return out
