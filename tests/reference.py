@@ -9,8 +9,8 @@ def hf_greedy(hf_model, prompt: list[int], num_tokens: int) -> list[int]:
     """HF forward with its own KV cache, greedy, exactly `num_tokens` new tokens (EOS does not stop it)."""
     out, past, step = [], None, torch.tensor([prompt])
     for _ in range(num_tokens):
-        res = hf_model(input_ids=step, past_key_values=past, use_cache=True)
-        past = res.past_key_values
+        res = hf_model(input_ids=step, cache=past, use_cache=True)
+        past = res.cache
         out.append(int(res.logits[0, -1].argmax()))
         step = torch.tensor([[out[-1]]])
     return out
