@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 install: $(STAMP)
 
 serve: install
-	$(VENV)/bin/attnserve --help
+	$(VENV)/bin/attnserve serve $(SERVE_ARGS)
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -101,7 +101,6 @@ class CausalSelfAttention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.split_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
 
@@ -111,12 +110,11 @@ class CausalSelfAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         attention: AttentionFn,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, h + 2 * hkv, self.head_dim)  # (T, H + 2 Hkv, D)
+        qk, v = qkv[:, : h + hkv], qkv[:, h + hkv:]  # (T, H + Hkv, D), (T, Hkv, D)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            qk = apply_rope(qk, *rope)  # q and k rotated in one pass
+        q, k = qk[:, :h], qk[:, h:]  # (T, H, D), (T, Hkv, D)
         out = attention(self.layer_idx, q, k, v)  # (T, H, D)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -28,14 +28,18 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for explicit positions: (T,) -> two (T, D) tensors in `dtype`."""
+    """Tables for explicit positions: (T,) -> cos (T, 1, D) and sign-folded sin (T, 1, D) in `dtype`.
+
+    sin's first half is negated so that rotate_half(x) * sin == swap_halves(x) * signed_sin.
+    """
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)  # (T, D)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)  # (T, D)
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (T, heads, D) by per-token (T, D) tables."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (T, heads, D) by (T, 1, D) tables: x * cos + rotate_half(x) * sin (HF layout)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (T, heads, D)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (T, heads, D)
+    return x * cos + swapped * signed_sin

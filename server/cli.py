@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+APP_NAME = "attnserve"
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -16,6 +19,149 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_prompts(args: argparse.Namespace, tokenizer) -> list[tuple[list[int], int]]:
+    """(prompt token ids, max_tokens) per input, in order."""
+    import json
+
+    def encode(text: str) -> list[int]:
+        if args.chat:
+            return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=True)["input_ids"]
+        return tokenizer(text)["input_ids"]
+
+    if args.prompt is not None:
+        return [(encode(args.prompt), args.max_tokens)]
+    out = []
+    with open(args.prompt_file) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            if "prompt_token_ids" in item:
+                ids = [int(t) for t in item["prompt_token_ids"]]
+            elif "prompt" in item:
+                ids = encode(item["prompt"])
+            else:
+                raise ValueError(f"{args.prompt_file}:{lineno}: need 'prompt' or 'prompt_token_ids'")
+            out.append((ids, int(item.get("max_tokens", args.max_tokens))))
+    return out
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from server.engine import EngineConfig, LLMEngine, SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = LLMEngine(EngineConfig(
+        model=args.model, dtype=args.dtype, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+    ))
+    prompts = _read_prompts(args, engine.tokenizer)
+    params = [SamplingParams(max_tokens=m, temperature=args.temperature, seed=args.seed, top_p=args.top_p,
+                             top_k=args.top_k, ignore_eos=args.ignore_eos) for _, m in prompts]
+    results = engine.generate([p for p, _ in prompts], params)
+    for i, ((prompt, _), group) in enumerate(zip(prompts, results)):
+        r = group[0]
+        if args.json:
+            print(json.dumps({"index": i, "prompt_token_ids": prompt, "token_ids": list(r.token_ids),
+                              "text": r.text, "finish_reason": r.finish_reason}), flush=True)
+        else:
+            print(r.text, flush=True)
+    return 0
+
+
+def _parse_models(specs: list[str] | None) -> dict[str, str]:
+    models: dict[str, str] = {}
+    for spec in specs or ["default=default"]:
+        name, _, source = spec.partition("=")
+        if not source:  # a bare path or name: serve it under its own (base)name
+            name, source = os.path.basename(os.path.normpath(spec)), spec
+        models[name] = source
+    return models
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local clusters; keeps `serve status` working
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import ray
+    from ray import serve
+
+    from server.deployment import build_app, required_cpus
+    from server.serve_config import ServeConfig
+
+    autoscaling = None
+    if args.autoscale:
+        lo, _, hi = args.autoscale.partition(":")
+        autoscaling = {"min_replicas": int(lo), "max_replicas": int(hi or lo), "target_ongoing_requests": 32}
+    cfg = ServeConfig(
+        models=_parse_models(args.model), dtype=args.dtype, block_size=args.block_size,
+        kv_cache_memory=None if args.num_blocks else args.kv_cache_memory, num_blocks=args.num_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, max_waiting=args.max_waiting, num_replicas=args.replicas,
+        autoscaling=autoscaling, max_ongoing_requests=args.max_ongoing_requests, num_cpus=args.num_cpus,
+        num_gpus=args.num_gpus, threads=args.threads, api_key=args.api_key,
+    )
+    joined = args.address is not None
+    if joined:
+        ray.init(address=args.address, include_dashboard=args.dashboard or None)
+    else:
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=args.dashboard)
+    stop = {"flag": False}
+
+    def on_signal(signum, frame):
+        stop["flag"] = True
+    # NOTE: after ray.init, which installs its own SIGTERM handler; before serve.run, so a
+    # signal during deployment still ends in the clean shutdown below.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    cluster = ray.cluster_resources().get("CPU", 0)
+    need = required_cpus(cfg, cluster)
+    if need > cluster + 1e-6:
+        print(f"attnserve serve: error: model replicas need {need:g} CPUs but the cluster has {cluster:g}; "
+              "lower --replicas or --num-cpus", file=sys.stderr)
+        return 2
+    serve.start(http_options={"host": args.host, "port": args.port})
+    print(f"attnserve: deploying {', '.join(cfg.models)} (first start converts the default model)...", flush=True)
+    serve.run(build_app(cfg), name=args.app_name, route_prefix=args.route_prefix, blocking=False)
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    url = f"http://{host}:{args.port}{args.route_prefix.rstrip('/')}"
+    model = next(iter(cfg.models))
+    auth = f" -H 'Authorization: Bearer {cfg.api_key}'" if cfg.api_key else ""
+    print(f"\nattnserve is up at {url}  (OpenAI base URL: {url}/v1)\n\n"
+          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+          f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+          f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'\n\nCtrl-C stops it.", flush=True)
+
+    while not stop["flag"]:
+        time.sleep(0.5)
+    print("attnserve: shutting down...", flush=True)
+    if joined:
+        serve.delete(args.app_name)
+    else:
+        serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 1GiB or 512MiB")
+    kv.add_argument("--num-blocks", type=int, help="exact number of KV blocks (overrides --kv-cache-memory)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="max running sequences")
+    p.add_argument("--threads", type=int, help="torch threads for model steps")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnserve", description="Paged-KV, continuous-batching LLM server.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -26,6 +172,42 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--out", required=True, help="output directory (HF layout, safetensors)")
     convert.add_argument("--dtype", choices=["float32", "bfloat16"], help="weight dtype to write (default: as read)")
     convert.set_defaults(func=_convert)
+
+    gen = sub.add_parser("generate", help="run the engine in-process (no Ray) on prompts")
+    gen.add_argument("--model", default="default", help="checkpoint directory, .gguf file or model name")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt")
+    src.add_argument("--prompt-file", help='JSONL: {"prompt": ...} or {"prompt_token_ids": [...]}, optional "max_tokens"')
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--json", action="store_true", help="one JSON line per prompt, in input order")
+    _add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="start Ray Serve with the OpenAI-compatible API")
+    srv.add_argument("--model", action="append", metavar="NAME=PATH_OR_NAME",
+                     help="a model to serve (repeatable); default: default=default")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--replicas", type=int, default=1, help="replicas per model")
+    srv.add_argument("--autoscale", metavar="MIN:MAX", help="autoscale replicas per model between MIN and MAX")
+    srv.add_argument("--max-model-len", type=int)
+    srv.add_argument("--max-waiting", type=int, help="bounded waiting queue per replica (429 beyond it)")
+    srv.add_argument("--max-ongoing-requests", type=int, default=256, help="Serve's per-replica concurrency cap")
+    srv.add_argument("--num-cpus", type=float, help="CPUs per model replica (default: an even share)")
+    srv.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per model replica (> 0 runs on CUDA)")
+    srv.add_argument("--api-key", default=os.environ.get("ATTNSERVE_API_KEY"), help="require this Bearer key on /v1")
+    srv.add_argument("--address", help="join this Ray cluster instead of starting a local one")
+    srv.add_argument("--dashboard", action="store_true", help="start Ray's dashboard too")
+    srv.add_argument("--app-name", default=APP_NAME, help="Serve application name")
+    srv.add_argument("--route-prefix", default="/", help="HTTP route prefix of the application")
+    _add_engine_args(srv)
+    srv.set_defaults(func=_serve)
     return parser
 
 

@@ -34,3 +34,58 @@ def default_model_dir() -> Path:
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole test session (startup costs ~15 s)."""
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_variants(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """The tiny Llama (GQA, 4 heads / 2 kv heads) and its MHA and MQA conversions."""
+    from models.kv_heads import convert
+
+    root = tmp_path_factory.mktemp("variants")
+    src = tiny_checkpoints["llama"]
+    return {"tiny-gqa": src, "tiny-mha": convert(src, 4, root / "mha", progress=False),
+            "tiny-mqa": convert(src, 1, root / "mqa", progress=False)}
+
+
+TINY_APP = "attnserve-test"
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_session, tiny_variants) -> str:
+    """Real Ray Serve running the tiny GQA model on 2 replicas plus its MHA and MQA forms."""
+    from ray import serve
+
+    from server.deployment import build_app
+    from server.serve_config import ServeConfig
+
+    cfg = ServeConfig(
+        models={name: str(path) for name, path in tiny_variants.items()}, dtype="float32", block_size=4,
+        kv_cache_memory=None, num_blocks=256, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=32,
+        num_cpus=0.25, threads=1, max_n=4, max_tokens=200, max_body_bytes=1024 * 1024,
+        model_replicas={"tiny-gqa": 2},
+    )
+    serve.run(build_app(cfg), name=TINY_APP, route_prefix="/")
+    yield ray_session
+    serve.delete(TINY_APP)

@@ -1,0 +1,67 @@
+"""Paged K/V tensors, sized from a memory budget or a block count."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
+
+
+def parse_size(text: str | int) -> int:
+    """'1GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 1GiB, 512MiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one token and one block of KV cost. MHA / GQA / MQA differ only in num_kv_heads."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size) <= 0:
+            raise ValueError("KV cache dimensions must be positive")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x dtype size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        num = budget_bytes // self.bytes_per_block
+        if num <= 0:
+            raise ValueError(f"KV budget of {budget_bytes} bytes is below one block ({self.bytes_per_block} bytes)")
+        return num
+
+
+class PagedKVCache:
+    """Per layer, K and V of shape (num_blocks, block_size, kv_heads, head_dim)."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu") -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        shape = (spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self._k = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self._v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.k = list(self._k.unbind(0))  # per layer: (N, bs, Hkv, D) views into one allocation
+        self.v = list(self._v.unbind(0))
+
+    @property
+    def nbytes(self) -> int:
+        return self._k.nbytes + self._v.nbytes

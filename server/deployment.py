@@ -1,0 +1,141 @@
+"""Ray Serve: one `ModelDeployment` per served model (one engine per replica) behind an
+`OpenAIIngress` that owns the FastAPI app and routes by the request's `model` field.
+
+`build_app(args)` is the application builder for both `attnserve serve` and Ray's own
+`serve run deploy/serve.yaml`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, AsyncIterator
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from server.engine.config import EngineConfig
+from server.http_app import create_app
+from server.openai_api import ApiLimits, OpenAIApi
+from server.serve_config import ServeConfig
+from server.worker import Chunk, GenerateCall, ModelInfo, ModelWorker, PromptInfo
+
+logger = logging.getLogger(__name__)
+FORWARDED_ENV = ("ATTNSERVE_CACHE_DIR", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "HF_HOME")
+
+
+@serve.deployment(health_check_period_s=5, health_check_timeout_s=30)
+class ModelDeployment:
+    """One replica = one engine for one model. Config arrives as arguments, read here in __init__."""
+
+    def __init__(self, name: str, engine_config: EngineConfig) -> None:
+        self.worker = ModelWorker(name, engine_config)
+
+    async def info(self) -> ModelInfo:
+        return self.worker.info
+
+    async def health(self) -> bool:
+        return self.worker.is_healthy
+
+    def check_health(self) -> None:
+        """Serve restarts the replica when this raises (the engine thread died)."""
+        if not self.worker.is_healthy:
+            raise RuntimeError("engine thread is not running")
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[PromptInfo | Chunk]:
+        # NOTE: Serve cancels this generator when the caller goes away; the worker's stream
+        # then aborts the request in the engine, which frees its KV blocks.
+        async for item in self.worker.generate(call):
+            yield item
+
+    async def encode(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool) -> list[int]:
+        return self.worker.encode(prompt, messages, add_special_tokens)
+
+    async def stats(self) -> dict[str, int]:
+        return self.worker.stats()
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return self.worker.decode(token_ids)
+
+    def __del__(self) -> None:
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.shutdown()
+
+
+class RayModelClient:
+    """ModelClient over a Serve handle; closing a stream cancels the request in the replica."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self.handle = handle
+        self.stream_handle = handle.options(stream=True)
+
+    async def info(self) -> ModelInfo:
+        return await self.handle.info.remote()
+
+    async def health(self) -> bool:
+        return await self.handle.health.remote()
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[PromptInfo | Chunk]:
+        response = self.stream_handle.generate.remote(call)
+        try:
+            async for item in response:
+                yield item
+        finally:
+            response.cancel()
+
+    async def encode(self, prompt, messages, add_special_tokens: bool) -> list[int]:
+        return await self.handle.encode.remote(prompt, messages, add_special_tokens)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self.handle.decode.remote(token_ids)
+
+
+@serve.deployment(max_ongoing_requests=2048, ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class OpenAIIngress:
+    """Owns the FastAPI app, built in the replica from the handles of the model deployments."""
+
+    def __init__(self, models: dict[str, DeploymentHandle], limits: ApiLimits, api_key: str | None) -> None:
+        self.api = OpenAIApi({name: RayModelClient(h) for name, h in models.items()}, limits)
+        self.api_key = api_key
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.api, self.api_key)
+
+
+def _deployment_name(model: str) -> str:
+    return "model-" + re.sub(r"[^A-Za-z0-9_-]", "-", model)
+
+
+def _cluster_cpus() -> float | None:
+    import ray
+
+    return ray.cluster_resources().get("CPU") if ray.is_initialized() else None
+
+
+def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Application:
+    """The bound Serve application for `args` (a ServeConfig or its dict form, e.g. from serve.yaml)."""
+    cfg = args if isinstance(args, ServeConfig) else ServeConfig.from_args(args)
+    cpus = cfg.replica_cpus(_cluster_cpus())
+    threads = cfg.threads or max(1, round(cpus))
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    actor_options: dict[str, Any] = {"num_cpus": cpus, "runtime_env": {"env_vars": env}}
+    if cfg.num_gpus:
+        actor_options["num_gpus"] = cfg.num_gpus
+    models = {}
+    for name, source in cfg.models.items():
+        scaling = ({"autoscaling_config": cfg.autoscaling} if cfg.autoscaling else {"num_replicas": cfg.replicas(name)})
+        models[name] = ModelDeployment.options(
+            name=_deployment_name(name), max_ongoing_requests=cfg.max_ongoing_requests,
+            ray_actor_options=actor_options, **scaling,
+        ).bind(name, cfg.engine_config(source, threads))
+    return OpenAIIngress.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind(
+        models, cfg.limits(), cfg.api_key)
+
+
+def required_cpus(cfg: ServeConfig, cluster_cpus: float | None) -> float:
+    """CPUs the model replicas ask for at start: more than the cluster has would hang serve.run."""
+    return cfg.replica_cpus(cluster_cpus) * cfg.total_replicas

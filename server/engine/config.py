@@ -1,0 +1,45 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcache.storage import parse_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    kv_cache_memory: int | str | None = "1GiB"  # ignored when num_blocks is given
+    num_blocks: int | None = None
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: the model's max positions
+    max_waiting: int | None = None  # bounded waiting queue; None = unbounded
+    num_threads: int | None = None  # torch intra-op threads for the step; None = torch's default
+    enable_prefix_caching: bool = True
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a positive power of two")
+        if self.num_blocks is None:
+            if self.kv_cache_memory is None:
+                raise ValueError("give kv_cache_memory or num_blocks")
+            object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
+        elif self.num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        if self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be positive")
+        # NOTE: every running sequence must fit one decode token per step, so decodes never starve.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError("max_model_len must be positive")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError("num_threads must be positive")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError("dtype must be float32 or bfloat16")

@@ -1,0 +1,211 @@
+"""The synchronous engine core: admission checks, one step at a time, outputs per sequence.
+
+No Ray and no asyncio here: `AsyncEngine` drives this from a thread, the CLI drives it
+directly.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kvcache.manager import KVCacheManager, cdiv
+from kvcache.storage import KVCacheSpec, PagedKVCache
+from models.cpu_linear import pack_linears
+from models.loader import load_model, load_tokenizer, parse_dtype
+from models.registry import resolve_model
+from models.transformer import DecoderLM
+from server.engine.config import EngineConfig
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.errors import InvalidRequestError
+from server.engine.model_runner import ModelRunner
+from server.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
+from server.engine.sampling_params import SamplingParams
+from server.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue is full; retry later (HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class CompletionResult:
+    """A finished sequence, for offline use (CLI, tests)."""
+
+    request_id: str
+    index: int
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    logprobs: tuple[TokenLogprob, ...]
+    stats: Any
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: DecoderLM | None = None, tokenizer: Any = None) -> None:
+        self.config = config
+        if model is None:
+            path = resolve_model(config.model)
+            model = load_model(path, parse_dtype(config.dtype), config.device)
+            tokenizer = tokenizer or load_tokenizer(path)
+        pack_linears(model)
+        self.model, self.tokenizer = model, tokenizer
+        cfg = model.config
+        self.model_config = cfg
+        self.max_model_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
+        self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, config.block_size)
+        num_blocks = config.num_blocks or self.kv_spec.num_blocks_for(config.kv_cache_memory)
+        self.cache = PagedKVCache(self.kv_spec, num_blocks, model.device)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   self.kv_spec.bytes_per_block)
+        self.runner = ModelRunner(model, self.cache)
+        eos = set(cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.groups: dict[str, list[Request]] = {}
+        self.num_steps = 0
+        self.num_step_errors = 0
+
+    # ---- admission -------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError for anything that could never be served."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt must contain at least one token", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens but the model's context is {self.max_model_len} tokens", "prompt")
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
+                f"the model's context of {self.max_model_len} tokens", "max_tokens")
+        need = cdiv(n + params.max_tokens, self.config.block_size)
+        if need > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens needs {need} KV blocks but the whole KV cache has {self.kv.num_blocks}",
+                "max_tokens")
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        self.validate(prompt_token_ids, params)
+        limit = self.config.max_waiting
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(f"waiting queue is full ({limit} requests)")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group = [
+            Request(
+                request_id if params.n == 1 else f"{request_id}#{i}", list(prompt_token_ids), params,
+                self.eos_token_ids, self._detokenizer(prompt_token_ids, params), index=i,
+                group_id=request_id, arrival_time=arrival,
+            )
+            for i in range(params.n)
+        ]
+        self.groups[request_id] = group
+        self.scheduler.add(group)
+
+    def _detokenizer(self, prompt: Sequence[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.skip_special_tokens)
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Abort every sample of a request; frees its blocks. Unknown / finished ids are a no-op."""
+        outputs = []
+        for req in self.groups.pop(request_id, []):
+            if not req.is_finished:
+                outputs.append(self._final(req, "abort", ()))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    # ---- stepping --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        self.num_steps += 1
+        try:
+            result = self.runner.execute(self.runner.prepare(out))
+        except Exception as e:  # a failed step fails its requests, never the engine
+            logger.exception("model step failed")
+            self.num_step_errors += 1
+            return [self._fail(s.request, f"{type(e).__name__}: {e}") for s in out.seqs]
+        self.scheduler.advance(out)
+        now = time.monotonic()
+        samplers = [s.request for s in out.seqs if s.samples]
+        return [self._on_token(r, t, lp, now) for r, t, lp in zip(samplers, result.token_ids, result.logprobs)]
+
+    def _on_token(self, req: Request, token: int, logprob: TokenLogprob | None, now: float) -> RequestOutput:
+        req.append_token(token, now)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        p, reason = req.params, None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"  # the stop token itself adds no text
+        elif req.detokenizer is not None and req.detokenizer.append(token) is not None:
+            reason = "stop"
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = "length"
+        lps = (logprob,) if logprob is not None else ()
+        if reason is None:
+            text = req.detokenizer.flush(False) if req.detokenizer else ""
+            return RequestOutput(req.group_id, req.index, (token,), text, False, None, lps)
+        self.scheduler.finish(req, reason)
+        return self._final(req, reason, (token,), lps)
+
+    def _final(self, req: Request, reason: str, tokens: tuple[int, ...], lps: tuple = (), error: str | None = None) -> RequestOutput:
+        if req.status != RequestStatus.FINISHED:
+            self.scheduler.finish(req, reason)
+        text = req.detokenizer.flush(True) if req.detokenizer else ""
+        group = self.groups.get(req.group_id)
+        if group is not None and all(r.is_finished for r in group):
+            del self.groups[req.group_id]
+        return RequestOutput(req.group_id, req.index, tokens, text, True, reason, lps, req.stats, error)
+
+    def _fail(self, req: Request, message: str) -> RequestOutput:
+        self.scheduler.finish(req, "error")
+        return self._final(req, "error", (), error=message)
+
+    # ---- offline helper --------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[list[CompletionResult]]:
+        """Run prompts to completion; results per prompt (one per sample), in input order."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = [f"gen-{self.num_steps}-{i}" for i in range(len(prompts))]
+        tokens: dict[tuple[str, int], list[int]] = {}
+        texts: dict[tuple[str, int], list[str]] = {}
+        logprobs: dict[tuple[str, int], list[TokenLogprob]] = {}
+        finals: dict[tuple[str, int], RequestOutput] = {}
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, list(prompt), p)
+        while self.has_unfinished():
+            for o in self.step():
+                key = (o.request_id, o.index)
+                tokens.setdefault(key, []).extend(o.new_token_ids)
+                texts.setdefault(key, []).append(o.new_text)
+                logprobs.setdefault(key, []).extend(o.new_logprobs)
+                if o.finished:
+                    finals[key] = o
+        results = []
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            group = []
+            for i in range(p.n):
+                f, key = finals[(rid, i)], (rid, i)
+                group.append(CompletionResult(rid, i, tuple(prompt), tuple(tokens.get(key, [])),
+                                              "".join(texts.get(key, [])), f.finish_reason,
+                                              tuple(logprobs.get(key, [])), f.stats))
+            results.append(group)
+        return results

@@ -1,0 +1,129 @@
+"""One sequence being generated, with the accounting later exported as metrics and usage."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob) alternatives, best first
+
+
+@dataclass
+class RequestStats:
+    """Times are time.monotonic() seconds; sizes count the request's own block table."""
+
+    arrival_time: float
+    num_prompt_tokens: int
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    peak_blocks: int = 0
+    peak_kv_bytes: int = 0
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one sequence; the text and tokens are deltas."""
+
+    request_id: str  # the caller's id; samples of an n > 1 request share it
+    index: int  # which of the n samples
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None  # stop | length | abort | error
+    new_logprobs: tuple[TokenLogprob, ...] = ()
+    stats: RequestStats | None = None  # set on the final output
+    error: str | None = None
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: frozenset[int], detokenizer: IncrementalDetokenizer | None,
+                 index: int = 0, group_id: str | None = None, arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.group_id = group_id or request_id
+        self.index = index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.detokenizer = detokenizer
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprob] = []
+        self.stats = RequestStats(arrival_time if arrival_time is not None else time.monotonic(), len(prompt_token_ids))
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed((params.seed + index) % 2**63)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens whose K/V is not computed yet (1 while decoding)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        s = self.stats
+        if s.first_token_time is None:
+            s.first_token_time = now
+        else:
+            s.inter_token_latencies.append(now - s.last_token_time)
+        s.last_token_time = now
+        s.num_output_tokens = len(self.output_token_ids)
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, computed={self.num_computed_tokens}/{self.num_tokens}, {self.status.value})"

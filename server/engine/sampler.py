@@ -1,0 +1,113 @@
+"""Sampling as pure functions over a (B, V) logits batch: penalties, filters, draws, logprobs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from server.engine.request import TokenLogprob
+from server.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """The sampling side of one step: one row per request that samples."""
+
+    params: tuple[SamplingParams, ...]
+    generators: tuple[torch.Generator | None, ...]
+    prompt_token_ids: tuple[Sequence[int], ...]
+    output_token_ids: tuple[Sequence[int], ...]
+
+
+def _counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """(B, V) occurrence counts of each token id per row."""
+    counts = torch.zeros(len(token_lists), vocab, device=device)
+    for i, ids in enumerate(token_lists):
+        if ids:
+            idx = torch.tensor(ids, device=device)
+            counts[i].index_add_(0, idx, torch.ones(len(ids), device=device))
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition (CTRL: divide positive, multiply negative logits of seen tokens, prompt included),
+    then frequency (minus count in output) and presence (minus once if in output) penalties."""
+    if not any(p.has_penalties for p in batch.params):
+        return logits
+    vocab, dev = logits.shape[1], logits.device
+    out_counts = _counts(batch.output_token_ids, vocab, dev)
+    rep = torch.tensor([p.repetition_penalty for p in batch.params], device=dev)[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in batch.params], device=dev)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in batch.params], device=dev)[:, None]
+    seen = (_counts(batch.prompt_token_ids, vocab, dev) + out_counts) > 0
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    return logits - freq * out_counts - pres * (out_counts > 0).float()
+
+
+def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p as -inf masks (rows of greedy requests untouched)."""
+    if all(p.greedy for p in params):
+        return logits  # argmax needs neither temperature nor filters
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
+    logits = logits / temps[:, None]
+    if not any(p.has_filters for p in params):
+        return logits
+    vocab = logits.shape[1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]  # keep the smallest set reaching top_p
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """One token per row: argmax for greedy rows, else a categorical draw.
+
+    Draws use the exponential race (argmax of p / E, E ~ Exp(1)); a seeded request draws
+    its E from its own generator, so its samples do not depend on batch neighbours.
+    """
+    greedy = torch.tensor([p.greedy for p in batch.params], device=logits.device)
+    tokens = logits.argmax(-1)
+    if bool(greedy.all()):
+        return tokens
+    probs = logits.softmax(-1)
+    noise = torch.empty_like(probs).exponential_()
+    for i, g in enumerate(batch.generators):
+        if g is not None and not batch.params[i].greedy:
+            noise[i] = torch.empty(probs.shape[1]).exponential_(generator=g).to(probs.device)
+    sampled = (probs / noise).argmax(-1)
+    return torch.where(greedy, tokens, sampled)
+
+
+def token_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
+    """Log-probabilities under the model's own distribution (before penalties and temperature)."""
+    want = [p.logprobs is not None for p in params]
+    if not any(want):
+        return [None] * len(params)
+    logprobs = raw_logits.log_softmax(-1)
+    k = max(p.logprobs or 0 for p in params)
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    out: list[TokenLogprob | None] = []
+    for i, p in enumerate(params):
+        if not want[i]:
+            out.append(None)
+            continue
+        top = tuple(zip(top_ids[i, :p.logprobs].tolist(), top_vals[i, :p.logprobs].tolist())) if p.logprobs else ()
+        out.append(TokenLogprob(int(tokens[i]), chosen[i], top))
+    return out
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Raw fp32 logits (B, V) -> sampled token ids and, where asked, their logprobs."""
+    processed = apply_filters(apply_penalties(logits, batch), batch.params)
+    tokens = draw(processed, batch)
+    return tokens.tolist(), token_logprobs(logits, tokens, batch.params)

@@ -1,0 +1,71 @@
+"""Per-request sampling parameters, validated once at construction."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from server.engine.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"{param}: {message}", param)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; top_k 0 and top_p 1 and min_p 0 disable those filters."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # alternatives per token; 0 = only the sampled token's logprob
+    n: int = 1
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        _check(math.isfinite(self.temperature) and 0 <= self.temperature <= 100, "temperature", "must be in [0, 100]")
+        _check(math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or a positive integer")
+        _check(math.isfinite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        _check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**63), "seed", "must be a 64-bit integer")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN for s in self.stop), "stop",
+               f"stop strings must be non-empty and at most {MAX_STOP_STRING_LEN} characters")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(math.isfinite(value) and -2 <= value <= 2, name, "must be in [-2, 2]")
+        _check(math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10, "repetition_penalty",
+               "must be in (0, 10]")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", f"must be between 0 and {MAX_LOGPROBS}")
+        _check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def has_filters(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0

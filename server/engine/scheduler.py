@@ -1,0 +1,154 @@
+"""Iteration-level scheduling: which requests run this step, and with how many tokens.
+
+Order of service each step: running decodes, then running prefill chunks, then (if nothing
+was preempted) new requests in arrival order. Prompts longer than the remaining token budget
+are prefilled in chunks. When blocks run out the newest running request is preempted: its
+blocks are freed and it is recomputed later from the front of the waiting queue.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvcache.manager import KVCacheManager
+from server.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int  # before this step
+    block_ids: tuple[int, ...]
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the request's last known token, so it yields logits."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    seqs: tuple[ScheduledSeq, ...]  # single-token seqs first
+    num_decodes: int
+    preempted: tuple[Request, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, bytes_per_block: int) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.bytes_per_block = bytes_per_block
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.held: dict[str, list[Request]] = {}  # n > 1: samples waiting for their first sibling's prefill
+        self.num_preemptions = 0
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0
+        self.num_partial_prefills = 0  # prefill chunks that stopped short of the prompt's end
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + sum(len(v) for v in self.held.values())
+
+    def add(self, requests: list[Request]) -> None:
+        """Queue a group: the first sample now, its siblings once its prompt is cached."""
+        self.waiting.append(requests[0])
+        if len(requests) > 1:
+            self.held[requests[0].request_id] = requests[1:]
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chosen: dict[str, tuple[Request, int, int]] = {}
+        preempted: list[Request] = []
+        for req in sorted(self.running, key=lambda r: r.num_new_tokens > 1):  # decodes first (stable)
+            if req.status != RequestStatus.RUNNING or budget == 0:
+                continue
+            n = min(req.num_new_tokens, budget)
+            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+                victim = self.running[-1]  # newest first
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim.request_id in chosen:
+                    budget += chosen.pop(victim.request_id)[1]
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            chosen[req.request_id] = (req, n, req.num_computed_tokens)
+            budget -= n
+            self._track_peak(req)
+        while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            first = req.stats.first_scheduled_time is None
+            hit = self.kv.find_prefix(req.request_id, req.all_token_ids)
+            n = min(req.num_tokens - hit.num_tokens, budget)
+            if self.kv.allocate_slots(req.request_id, hit.num_tokens + n, hit) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = hit.num_tokens
+            if first:
+                req.stats.first_scheduled_time = time.monotonic()
+                req.stats.num_cached_tokens = hit.num_tokens
+                self.num_prefix_queries += req.num_prompt_tokens
+                self.num_prefix_hits += hit.num_tokens
+            chosen[req.request_id] = (req, n, hit.num_tokens)
+            budget -= n
+            self._track_peak(req)
+        seqs = [ScheduledSeq(r, n, c, tuple(self.kv.block_ids(r.request_id))) for r, n, c in chosen.values()]
+        # decodes first, longest first (attention groups decodes of similar length), then prefills
+        seqs.sort(key=lambda s: (s.num_new_tokens > 1, -s.num_computed_tokens if s.num_new_tokens == 1 else 0))
+        self.num_partial_prefills += sum(not s.samples for s in seqs)
+        return SchedulerOutput(tuple(seqs), sum(s.num_new_tokens == 1 for s in seqs), tuple(preempted))
+
+    def _track_peak(self, req: Request) -> None:
+        blocks = self.kv.num_request_blocks(req.request_id)
+        if blocks > req.stats.peak_blocks:
+            req.stats.peak_blocks = blocks
+            req.stats.peak_kv_bytes = blocks * self.bytes_per_block
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.stats.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Mark this step's tokens computed, cache newly full blocks, release held siblings."""
+        for seq in out.seqs:
+            req = seq.request
+            if req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = seq.num_computed_tokens + seq.num_new_tokens
+            self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if req.num_computed_tokens >= req.num_prompt_tokens and req.request_id in self.held:
+                self.waiting.extendleft(reversed(self.held.pop(req.request_id)))
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Finish (stop, length, abort, error) from any state; frees the request's blocks."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stats.finished_time = time.monotonic()
+        siblings = self.held.pop(req.request_id, None)
+        if siblings:  # first sample ended before its prompt was cached: let them compute it themselves
+            self.waiting.extendleft(reversed(siblings))

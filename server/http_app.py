@@ -1,0 +1,144 @@
+"""The FastAPI app: routes, OpenAI-shaped errors, body-size limit and API-key check.
+
+The app is built around an explicit `OpenAIApi`: under Ray Serve the ingress builds it in
+the replica (after its __init__), in unit tests it is built in-process.
+"""
+from __future__ import annotations
+
+import hmac
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.openai_api import ApiError, OpenAIApi
+from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+
+logger = logging.getLogger(__name__)
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+           code: Any = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+class GuardMiddleware:
+    """Rejects oversized bodies (413) and, when an API key is set, unauthenticated /v1 calls (401).
+
+    A raw ASGI middleware, so the body is counted as it streams in, Content-Length or not.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit, api_key = self.max_body_bytes, self.api_key
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if api_key and scope["path"].startswith(PROTECTED_PREFIXES):
+            given = headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):  # constant-time
+                return await _error(401, "invalid or missing API key", "authentication_error",
+                                    code="invalid_api_key")(scope, receive, send)
+        declared = headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            return await _too_large(limit)(scope, receive, send)
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _BodyTooLarge()
+            return message
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await _too_large(limit)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return _error(413, f"request body exceeds {limit} bytes", code="request_too_large")
+
+
+def _param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    return ".".join(parts) if parts else None
+
+
+def create_app(api: OpenAIApi, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="attnserve", version="0.1.0", description="OpenAI-compatible text generation")
+    app.add_middleware(GuardMiddleware, max_body_bytes=api.limits.max_body_bytes, api_key=api_key)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        msg = "; ".join(f"{_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}" for e in errors[:5])
+        return _error(400, msg or "invalid request", param=_param(tuple(first.get("loc", ()))))
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else
+                      "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return _error(500, f"internal error: {type(exc).__name__}", "server_error")
+
+    def respond(result: Any) -> Any:
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        models = await api.health()
+        ok = bool(models) and all(models.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "models": models}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse(await api.models())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return respond(await api.completions(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        return respond(await api.chat(body))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+        return JSONResponse(await api.tokenize(body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+        return JSONResponse(await api.detokenize(body))
+
+    return app
+
+

@@ -1,0 +1,326 @@
+"""OpenAI semantics on top of model clients: routing by `model`, sampling parameters,
+multiple prompts and samples, streaming (SSE) and usage. Transport-agnostic: the clients
+are Ray Serve handles in production and plain ModelWorkers in unit tests."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator, Protocol
+
+from server.engine.engine import QueueFullError
+from server.engine.errors import InvalidRequestError
+from server.engine.sampling_params import SamplingParams
+from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+from server.worker import Chunk, GenerateCall, LogprobEntry, ModelInfo, PromptInfo
+
+
+class ModelClient(Protocol):
+    async def info(self) -> ModelInfo: ...
+    async def health(self) -> bool: ...
+    def generate(self, call: GenerateCall) -> AsyncIterator[PromptInfo | Chunk]: ...
+    async def encode(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool) -> list[int]: ...
+    async def decode(self, token_ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    max_n: int = 16
+    max_tokens: int = 8192
+    max_prompts: int = 32
+    max_body_bytes: int = 4 * 2**20
+    max_concurrent_streams: int = 1024
+
+    def __post_init__(self) -> None:
+        if min(self.max_n, self.max_tokens, self.max_prompts, self.max_body_bytes, self.max_concurrent_streams) < 1:
+            raise ValueError("API limits must be positive")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param, self.code, self.headers = status, type_, param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(str(self), self.type, self.param, self.code)
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class _Sample:
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[LogprobEntry] | None = None
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    peak_kv_bytes: int = 0
+
+
+class OpenAIApi:
+    def __init__(self, clients: dict[str, ModelClient], limits: ApiLimits | None = None) -> None:
+        self.clients = clients
+        self.limits = limits or ApiLimits()
+        self._infos: dict[str, ModelInfo] = {}
+        self.num_streams = 0
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _client(self, name: str) -> ModelClient:
+        if name not in self.clients:
+            raise ApiError(404, f"The model `{name}` does not exist. Available: {', '.join(self.clients)}",
+                           param="model", code="model_not_found")
+        return self.clients[name]
+
+    async def _info(self, name: str) -> ModelInfo:
+        if name not in self._infos:
+            self._infos[name] = await self._client(name).info()
+        return self._infos[name]
+
+    def _params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if body.n > self.limits.max_n:
+            raise ApiError(400, f"n must be <= {self.limits.max_n}", param="n")
+        if max_tokens is not None and max_tokens > self.limits.max_tokens:
+            raise ApiError(400, f"max_tokens must be <= {self.limits.max_tokens}", param="max_tokens")
+        kw: dict[str, Any] = {"n": body.n, "ignore_eos": body.ignore_eos, "logprobs": logprobs,
+                              "max_tokens": max_tokens or self.limits.max_tokens}
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if getattr(body, name) is not None:
+                kw[name] = getattr(body, name)
+        kw["stop"] = tuple(body.stop or ())
+        kw["stop_token_ids"] = tuple(body.stop_token_ids or ())
+        try:
+            return SamplingParams(**kw)
+        except InvalidRequestError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+
+    async def _start(self, client: ModelClient, calls: list[GenerateCall]) -> list[tuple[AsyncIterator, PromptInfo]]:
+        """Open every stream and read its PromptInfo, so bad input fails before any byte is sent."""
+        started: list[tuple[AsyncIterator, PromptInfo]] = []
+        try:
+            for call in calls:
+                gen = client.generate(call)
+                started.append((gen, await gen.__anext__()))
+        except BaseException as e:
+            for gen, _ in started:
+                await gen.aclose()
+            raise _as_api_error(e) from None
+        return started
+
+    async def _merge(self, streams: list[tuple[AsyncIterator, PromptInfo]]) -> AsyncIterator[tuple[int, Chunk]]:
+        """Interleave the prompts' chunks as they come; closing this closes (aborts) them all."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, gen: AsyncIterator) -> None:
+            try:
+                async for chunk in gen:
+                    await queue.put((i, chunk))
+                await queue.put((i, None))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put((i, e))
+
+        tasks = [asyncio.create_task(pump(i, gen)) for i, (gen, _) in enumerate(streams)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise _as_api_error(item)
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for gen, _ in streams:
+                await _close(gen)
+
+    def _admit_stream(self) -> None:
+        if self.num_streams >= self.limits.max_concurrent_streams:
+            raise ApiError(429, "too many concurrent requests; retry later", type_="rate_limit_error",
+                           code="too_many_requests", headers={"Retry-After": "1"})
+
+    # ---- endpoints -------------------------------------------------------------------------
+    async def models(self) -> dict[str, Any]:
+        data = []
+        for name in self.clients:
+            info = await self._info(name)
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "attnserve",
+                         "max_model_len": info.max_model_len, "attention": info.attention,
+                         "num_kv_heads": info.num_kv_heads, "kv_bytes_per_token": info.kv_bytes_per_token})
+        return {"object": "list", "data": data}
+
+    async def health(self) -> dict[str, bool]:
+        async def one(client: ModelClient) -> bool:
+            try:
+                return bool(await asyncio.wait_for(client.health(), timeout=5))
+            except Exception:  # noqa: BLE001 - any failure means unhealthy
+                return False
+        results = await asyncio.gather(*(one(c) for c in self.clients.values()))
+        return dict(zip(self.clients, results))
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        client, info = self._client(body.model), await self._info(body.model)
+        messages = [m.as_template_input() for m in body.messages] if body.messages else None
+        try:
+            ids = await client.encode(body.prompt, messages, body.add_special_tokens)
+        except BaseException as e:
+            raise _as_api_error(e) from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": info.max_model_len}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        client = self._client(body.model)
+        try:
+            return {"prompt": await client.decode(body.tokens)}
+        except BaseException as e:
+            raise _as_api_error(e) from None
+
+    async def completions(self, body: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        client = self._client(body.model)
+        prompts = body.prompts()
+        if len(prompts) > self.limits.max_prompts:
+            raise ApiError(400, f"at most {self.limits.max_prompts} prompts per request", param="prompt")
+        params = self._params(body, body.max_tokens, body.logprobs)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        calls = [GenerateCall(params, prompt=p if isinstance(p, str) else None,
+                              prompt_token_ids=tuple(p) if isinstance(p, list) else None, request_id=f"{rid}-{i}")
+                 for i, p in enumerate(prompts)]
+        return await self._run(client, calls, body, rid, "text_completion", chat=False)
+
+    async def chat(self, body: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        client = self._client(body.model)
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
+        requested = body.max_completion_tokens or body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._params(body, requested, logprobs)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        messages = tuple(m.as_template_input() for m in body.messages)
+        call = GenerateCall(params, messages=messages, request_id=f"{rid}-0", fit_max_tokens=requested is None)
+        return await self._run(client, [call], body, rid, "chat.completion", chat=True)
+
+    async def _run(self, client, calls, body, rid: str, obj: str, chat: bool) -> dict[str, Any] | AsyncIterator[str]:
+        self._admit_stream()
+        self.num_streams += 1
+        try:
+            streams = await self._start(client, calls)
+        except BaseException:
+            self.num_streams -= 1
+            raise
+        created, n = int(time.time()), body.n
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return self._stream(streams, rid, obj + (".chunk" if chat else ""), created, body.model, n, chat,
+                                include_usage)
+        try:
+            samples = [[_Sample() for _ in range(n)] for _ in streams]
+            async for i, chunk in self._merge(streams):
+                _accumulate(samples[i][chunk.index], chunk)
+        finally:
+            self.num_streams -= 1
+        choices = []
+        for i, group in enumerate(samples):
+            for j, s in enumerate(group):
+                choice: dict[str, Any] = {"index": i * n + j, "finish_reason": _finish(s.finish_reason)}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": s.text}
+                    choice["logprobs"] = _chat_logprobs(s.logprobs) if s.logprobs is not None else None
+                else:
+                    choice["text"] = s.text
+                    choice["logprobs"] = _completion_logprobs(s.logprobs) if s.logprobs is not None else None
+                choices.append(choice)
+        return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices,
+                "usage": _usage([info for _, info in streams], samples)}
+
+    async def _stream(self, streams, rid, obj, created, model, n, chat, include_usage) -> AsyncIterator[str]:
+        samples = [[_Sample() for _ in range(n)] for _ in streams]
+        head = {"id": rid, "object": obj, "created": created, "model": model}
+        try:
+            if chat:
+                for j in range(len(streams) * n):
+                    yield sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]})
+            async for i, chunk in self._merge(streams):
+                _accumulate(samples[i][chunk.index], chunk)
+                if chunk.error:
+                    yield sse(error_body(chunk.error, "server_error", code=500))
+                    continue
+                choice: dict[str, Any] = {"index": i * n + chunk.index, "finish_reason": _finish(chunk.finish_reason)}
+                if chat:
+                    choice["delta"] = {"content": chunk.text} if chunk.text else {}
+                    choice["logprobs"] = _chat_logprobs(chunk.logprobs) if chunk.logprobs else None
+                else:
+                    choice["text"] = chunk.text
+                    choice["logprobs"] = _completion_logprobs(chunk.logprobs) if chunk.logprobs else None
+                yield sse({**head, "choices": [choice]})
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": _usage([info for _, info in streams], samples)})
+        except ApiError as e:
+            yield sse(e.body())
+        finally:
+            self.num_streams -= 1
+        yield sse("[DONE]")
+
+
+# ---- formatting helpers (pure) -----------------------------------------------------------------
+def _finish(reason: str | None) -> str | None:
+    return {"abort": "abort", "error": "error"}.get(reason, reason)
+
+
+def _accumulate(s: _Sample, chunk: Chunk) -> None:
+    s.text += chunk.text
+    if chunk.logprobs:
+        s.logprobs = (s.logprobs or []) + list(chunk.logprobs)
+    if chunk.finish_reason is not None:
+        s.finish_reason = chunk.finish_reason
+        s.num_cached_tokens, s.num_output_tokens = chunk.num_cached_tokens, chunk.num_output_tokens
+        s.peak_kv_bytes = chunk.peak_kv_bytes
+
+
+def _usage(infos: list[PromptInfo], samples: list[list[_Sample]]) -> dict[str, Any]:
+    prompt = sum(i.num_prompt_tokens for i in infos)
+    completion = sum(s.num_output_tokens for group in samples for s in group)
+    cached = sum(group[0].num_cached_tokens for group in samples)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "kv_cache_bytes": sum(s.peak_kv_bytes for group in samples for s in group)}
+
+
+def _completion_logprobs(entries: list[LogprobEntry] | tuple[LogprobEntry, ...]) -> dict[str, Any]:
+    offsets, pos = [], 0
+    for e in entries:
+        offsets.append(pos)
+        pos += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t: v for t, v, _ in e.top} for e in entries], "text_offset": offsets}
+
+
+def _chat_logprobs(entries: list[LogprobEntry] | tuple[LogprobEntry, ...]) -> dict[str, Any]:
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes),
+                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)} for t, v, b in e.top]}
+                        for e in entries]}
+
+
+def _as_api_error(e: BaseException) -> BaseException:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, InvalidRequestError):
+        return ApiError(400, str(e), param=getattr(e, "param", None))
+    if isinstance(e, QueueFullError):
+        return ApiError(429, str(e), type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(e, asyncio.CancelledError):
+        return e
+    return ApiError(503, f"model replica failed: {type(e).__name__}: {e}", type_="server_error", code="replica_error")
+
+
+async def _close(gen: AsyncIterator) -> None:
+    try:
+        await gen.aclose()
+    except BaseException:  # noqa: BLE001 - closing a broken stream must not mask the real error
+        pass

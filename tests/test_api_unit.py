@@ -1,0 +1,129 @@
+"""API logic in-process (no Ray): request validation and OpenAI-shaped errors, via ASGI."""
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from server.engine import EngineConfig
+from server.http_app import create_app
+from server.local_client import LocalModelClient
+from server.openai_api import ApiLimits, OpenAIApi
+from server.worker import ModelWorker
+
+
+@pytest.fixture(scope="module")
+def api(tiny_checkpoints):
+    worker = ModelWorker("tiny", EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", num_blocks=128,
+                                              block_size=4, max_model_len=256))
+    yield OpenAIApi({"tiny": LocalModelClient(worker)}, ApiLimits(max_n=4, max_tokens=200, max_body_bytes=64 * 1024))
+    worker.shutdown()
+
+
+@pytest.fixture(scope="module")
+def app(api):
+    return create_app(api)
+
+
+def call(app, method, path, **kw):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.request(method, path, **kw)
+    return asyncio.run(go())
+
+
+def assert_error(resp, status, param=None, contains=None):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    if contains is not None:
+        assert contains in body["error"]["message"], body
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("patch,param", [
+    ({"temperature": "hot"}, "temperature"), ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"),
+    ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "x"}, "max_tokens"),
+    ({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"frequency_penalty": 9}, "frequency_penalty"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"stop": ["x"] * 40}, "stop"), ({"n": 99}, "n"),
+    ({"max_tokens": 100000}, "max_tokens"),
+])
+def test_bad_chat_fields_are_400_with_param(app, patch, param):
+    assert_error(call(app, "POST", "/v1/chat/completions", json={**CHAT, **patch}), 400, param)
+
+
+def test_invalid_json_is_400(app):
+    resp = call(app, "POST", "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_error(resp, 400)
+
+
+def test_unknown_model_is_404(app):
+    assert_error(call(app, "POST", "/v1/chat/completions", json={**CHAT, "model": "nope"}), 404, "model",
+                 "does not exist")
+
+
+def test_prompt_plus_max_tokens_over_context_names_both_numbers(app):
+    body = {"model": "tiny", "prompt": [5] * 200, "max_tokens": 100}
+    assert_error(call(app, "POST", "/v1/completions", json=body), 400, "max_tokens", "prompt (200 tokens) + max_tokens (100)")
+    assert_error(call(app, "POST", "/v1/completions", json={"model": "tiny", "prompt": [5] * 300}), 400, "prompt",
+                 "context is 256")
+
+
+def test_out_of_vocab_and_empty_prompts(app):
+    assert_error(call(app, "POST", "/v1/completions", json={"model": "tiny", "prompt": [10**7]}), 400, "prompt")
+    assert_error(call(app, "POST", "/v1/completions", json={"model": "tiny", "prompt": []}), 400, "prompt")
+    assert_error(call(app, "POST", "/v1/completions", json={"model": "tiny", "prompt": ""}), 400, "prompt")
+
+
+def test_body_too_large_is_413(app):
+    resp = call(app, "POST", "/v1/completions", content=b"x" * (65 * 1024), headers={"content-type": "application/json"})
+    assert_error(resp, 413)
+
+
+def test_completion_ok_and_usage(app):
+    resp = call(app, "POST", "/v1/completions", json={"model": "tiny", "prompt": ["0 1 2", "3 4"], "max_tokens": 3,
+                                                      "temperature": 0, "ignore_eos": True, "n": 2})
+    body = resp.json()
+    assert resp.status_code == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"]["completion_tokens"] == 12
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    assert body["choices"][0]["text"] == body["choices"][1]["text"]  # greedy samples agree
+
+
+def test_streaming_sse_format(app):
+    resp = call(app, "POST", "/v1/chat/completions", json={**CHAT, "stream": True, "temperature": 0,
+                                                            "stream_options": {"include_usage": True}})
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in resp.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+    assert any(c["choices"] and c["choices"][0]["finish_reason"] for c in chunks)
+
+
+def test_api_key_guard(api):
+    keyed = create_app(api, api_key="s3cret")
+    assert_error(call(keyed, "GET", "/v1/models"), 401)
+    assert_error(call(keyed, "GET", "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+    assert call(keyed, "GET", "/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert call(keyed, "GET", "/health").status_code == 200  # stays open
+
+
+def test_tokenize_detokenize_roundtrip(app):
+    ids = call(app, "POST", "/tokenize", json={"model": "tiny", "prompt": "The capital of France"}).json()
+    assert ids["count"] == len(ids["tokens"]) > 0 and ids["max_model_len"] == 256
+    text = call(app, "POST", "/detokenize", json={"model": "tiny", "tokens": ids["tokens"]}).json()["prompt"]
+    assert text == "The capital of France"
+    assert_error(call(app, "POST", "/detokenize", json={"model": "tiny", "tokens": [-1]}), 400, "tokens")
+    assert_error(call(app, "POST", "/tokenize", json={"model": "tiny"}), 400)
+
+
+def test_unknown_route_is_openai_shaped_404(app):
+    assert_error(call(app, "GET", "/v1/nothing"), 404)

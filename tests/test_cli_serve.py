@@ -1,0 +1,88 @@
+"""`make serve`'s command and Ray's `serve run deploy/serve.yaml`, each on its own Ray, with the
+default model, answering the README's curl and openai snippets; SIGTERM shuts down cleanly."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.slow
+
+
+def readme_block(lang: str, must_contain: str) -> str:
+    blocks = re.findall(rf"```{lang}\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    return next(b for b in blocks if must_contain in b)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited early with {proc.returncode}"
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} never became healthy")
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
+
+
+def test_make_serve_answers_the_readme_snippets_and_stops_on_sigterm():
+    dry = subprocess.run(["make", "-n", "serve"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    command = dry.strip().splitlines()[-1].split()
+    assert command[-1] == "serve" and command[0].endswith("/bin/attnserve")
+    port = free_port()
+    proc = subprocess.Popen([str(BIN / "attnserve"), "serve", "--port", str(port)], cwd=ROOT, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        curl = readme_block("bash", "curl ").replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120, check=True).stdout
+        assert "Paris" in out and '"finish_reason"' in out
+        snippet = readme_block("python", "OpenAI(").replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        res = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120, env=env())
+        assert res.returncode == 0, res.stderr
+        assert "Paris" in res.stdout
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    assert f"attnserve is up at {url}" in output and "shutting down" in output
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/health", timeout=2)
+
+
+def test_serve_run_deploy_serve_yaml(tmp_path):
+    port = free_port()
+    config = (ROOT / "deploy" / "serve.yaml").read_text().replace("port: 8000", f"port: {port}")
+    (tmp_path / "serve.yaml").write_text(config)
+    proc = subprocess.Popen([str(BIN / "serve"), "run", str(tmp_path / "serve.yaml")], cwd=ROOT, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "default", "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()

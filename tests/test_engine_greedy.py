@@ -1,0 +1,130 @@
+"""Greedy outputs equal HF transformers token for token, whatever batching, paging,
+preemption, chunking or prefix caching does."""
+import random
+
+import pytest
+
+from models import load_model, load_tokenizer
+from server.engine import EngineConfig, LLMEngine, SamplingParams
+from tests.reference import hf_greedy, load_hf
+from tests.tiny import CORPUS
+
+ARCHS = ["llama", "mistral", "gpt2"]  # GQA, MQA, MHA
+NUM_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+
+
+def mixed_prompts(tok, count, seed=0, min_len=3, max_len=90):
+    rng = random.Random(seed)
+    ids = tok(CORPUS)["input_ids"]
+    out = []
+    for _ in range(count):
+        n = rng.randint(min_len, max_len)
+        start = rng.randint(0, len(ids) - n)
+        out.append(ids[start:start + n])
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_checkpoints):
+    """Per arch: (checkpoint path, model, tokenizer, memoised HF greedy continuation)."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            path = tiny_checkpoints[arch]
+            hf = load_hf(path)
+            memo = {}
+
+            def expected(prompt):
+                key = tuple(prompt)
+                if key not in memo:
+                    memo[key] = hf_greedy(hf, list(prompt), NUM_TOKENS)
+                return memo[key]
+            cache[arch] = (load_model(path), load_tokenizer(path), expected)
+        return cache[arch]
+    return get
+
+
+def engine_for(model, tok, **kw):
+    cfg = dict(model="tiny", dtype="float32", num_blocks=256, block_size=4, max_num_batched_tokens=512, max_num_seqs=32)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg), model=model, tokenizer=tok)
+
+
+def run_and_check(engine, prompts, expected):
+    results = engine.generate(prompts, GREEDY)
+    for prompt, group in zip(prompts, results):
+        assert list(group[0].token_ids) == expected(prompt), f"prompt of {len(prompt)} tokens diverged"
+        assert group[0].finish_reason == "length"
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks  # every block back after every request
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_alone(arch, oracle):
+    model, tok, expected = oracle(arch)
+    engine = engine_for(model, tok)
+    for prompt in mixed_prompts(tok, 3, seed=1):
+        run_and_check(engine, [prompt], expected)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_16_mixed_length_requests_at_once(arch, oracle):
+    model, tok, expected = oracle(arch)
+    engine = engine_for(model, tok)
+    prompts = mixed_prompts(tok, 16, seed=2)
+    assert len({len(p) for p in prompts}) > 8
+    run_and_check(engine, prompts, expected)
+    assert engine.num_steps < 16 * NUM_TOKENS / 4  # they really ran together
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_preemption_by_recompute(arch, oracle):
+    model, tok, expected = oracle(arch)
+    # 12 prompts need ~12 * (90 + 24) / 4 blocks together; 40 blocks hold only a few at a time
+    engine = engine_for(model, tok, num_blocks=40, enable_prefix_caching=False)
+    prompts = mixed_prompts(tok, 12, seed=3, min_len=20, max_len=80)
+    run_and_check(engine, prompts, expected)
+    assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill(arch, oracle):
+    model, tok, expected = oracle(arch)
+    engine = engine_for(model, tok, max_num_batched_tokens=16, max_num_seqs=8)
+    prompts = mixed_prompts(tok, 6, seed=4, min_len=30, max_len=90)
+    run_and_check(engine, prompts, expected)
+    assert engine.scheduler.num_partial_prefills > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_prefix_from_prefix_cache(arch, oracle):
+    model, tok, expected = oracle(arch)
+    engine = engine_for(model, tok)
+    system = tok(CORPUS)["input_ids"][:41]
+    prompts = [system + tail for tail in mixed_prompts(tok, 6, seed=5, min_len=2, max_len=12)]
+    run_and_check(engine, prompts[:1], expected)  # warm the cache
+    run_and_check(engine, prompts[1:], expected)
+    assert engine.scheduler.num_prefix_hits >= 5 * 40
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_identical_prompt_twice_hits_all_but_the_last_block(arch, oracle):
+    model, tok, expected = oracle(arch)
+    engine = engine_for(model, tok)
+    prompt = tok(CORPUS)["input_ids"][:40]  # exactly 10 blocks of 4
+    run_and_check(engine, [prompt], expected)
+    before = engine.scheduler.num_prefix_hits
+    run_and_check(engine, [prompt], expected)
+    assert engine.scheduler.num_prefix_hits - before == 36  # the last block is recomputed for logits
+
+
+def test_preemption_chunking_and_prefix_cache_together(oracle):
+    model, tok, expected = oracle("llama")
+    engine = engine_for(model, tok, num_blocks=48, max_num_batched_tokens=24, max_num_seqs=10)
+    system = tok(CORPUS)["input_ids"][:30]
+    prompts = [system + t for t in mixed_prompts(tok, 10, seed=6, min_len=5, max_len=60)]
+    run_and_check(engine, prompts, expected)
+    s = engine.scheduler
+    assert s.num_preemptions > 0 and s.num_partial_prefills > 0 and s.num_prefix_hits > 0

@@ -1,0 +1,213 @@
+"""End to end through real Ray Serve over real HTTP, with the official `openai` client."""
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import TINY_APP
+
+MODEL = "tiny-gqa"
+
+
+@pytest.fixture(scope="module")
+def client(serve_url):
+    return openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def model_stats(name: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle(f"model-{name}", app_name=TINY_APP).stats.remote().result()
+
+
+def test_models_and_health(serve_url, client):
+    ids = {m.id for m in client.models.list().data}
+    assert ids == {"tiny-gqa", "tiny-mha", "tiny-mqa"}
+    health = httpx.get(f"{serve_url}/health").json()
+    assert health["status"] == "ok" and all(health["models"].values())
+    info = {m["id"]: m for m in httpx.get(f"{serve_url}/v1/models").json()["data"]}
+    assert (info["tiny-mha"]["num_kv_heads"], info["tiny-gqa"]["num_kv_heads"], info["tiny-mqa"]["num_kv_heads"]) == (4, 2, 1)
+
+
+def test_completion_and_chat(client):
+    c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert c.object == "text_completion" and c.choices[0].text and c.choices[0].finish_reason in ("stop", "length")
+    assert c.usage.prompt_tokens > 0 and c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    assert c.usage.prompt_tokens_details.cached_tokens >= 0
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=8,
+                                          temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+
+
+def test_streaming_completion_and_chat_with_usage(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="0 1 2 3", max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+    whole = client.completions.create(model=MODEL, prompt="0 1 2 3", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    assert text == whole.choices[0].text
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count"}], max_tokens=6,
+                                            temperature=0, stream=True)
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert deltas[0].role == "assistant"
+
+
+def test_n_2_stop_seed_and_logprobs(client):
+    two = client.completions.create(model=MODEL, prompt="Simple is", max_tokens=6, temperature=1.0, n=2, seed=11,
+                                    extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    again = client.completions.create(model=MODEL, prompt="Simple is", max_tokens=6, temperature=1.0, n=2, seed=11,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in two.choices] == [c.text for c in again.choices]  # seed reproducible
+    other = client.completions.create(model=MODEL, prompt="Simple is", max_tokens=6, temperature=1.0, seed=12,
+                                      extra_body={"ignore_eos": True})
+    assert other.choices[0].text != two.choices[0].text or other.choices[0].text != two.choices[1].text
+
+    full = client.completions.create(model=MODEL, prompt="The capital of", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[6:9]
+    cut = client.completions.create(model=MODEL, prompt="The capital of", max_tokens=16, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.find(stop)]
+
+    lp = client.completions.create(model=MODEL, prompt="The capital of", max_tokens=4, temperature=0, logprobs=3,
+                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(lp.tokens) == 4 and all(len(t) == 3 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_greedy_http_equals_attnserve_generate(client, tiny_variants, tmp_path):
+    prompts = ["The capital of France is", "Beautiful is better than", "0 1 2 3 4 5"]
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts))
+    exe = os.path.join(os.path.dirname(sys.executable), "attnserve")
+    out = subprocess.run([exe, "generate", "--model", str(tiny_variants[MODEL]), "--prompt-file", str(f), "--json",
+                          "--max-tokens", "12", "--dtype", "float32", "--num-blocks", "64", "--block-size", "4",
+                          "--ignore-eos"], capture_output=True, text=True, timeout=120, check=True)
+    offline = [json.loads(line)["text"] for line in out.stdout.splitlines()]
+    for prompt, expected in zip(prompts, offline):
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.choices[0].text == expected
+
+
+def test_16_concurrent_streams_arrive_incrementally(serve_url):
+    async def one(c: httpx.AsyncClient, i: int):
+        body = {"model": "tiny-mha", "prompt": f"{i} 1 2 3", "max_tokens": 40, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        start, times, text = time.monotonic(), [], ""
+        async with c.stream("POST", f"{serve_url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    times.append(time.monotonic() - start)
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return times, text
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(16)))
+    results = asyncio.run(main())
+    for times, text in results:
+        assert len(times) == 40 and text
+        assert times[0] < 0.5 * times[-1]  # the first token arrived well before the last
+
+
+def test_disconnect_mid_stream_frees_blocks(serve_url):
+    name = "tiny-mqa"
+    body = {"model": name, "prompt": "0 1 2 3 4 5 6 7", "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    for _ in range(3):
+        with httpx.Client(timeout=60) as c, c.stream("POST", f"{serve_url}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for _ in range(5):
+                next(lines)
+            assert model_stats(name)["num_used_blocks"] > 0
+        # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        s = model_stats(name)
+        if s["num_used_blocks"] == 0 and s["num_unfinished_groups"] == 0:
+            break
+        time.sleep(0.2)
+    assert model_stats(name)["num_used_blocks"] == 0 and model_stats(name)["num_unfinished_groups"] == 0
+
+
+def test_non_streaming_disconnect_frees_blocks(serve_url):
+    name = "tiny-mqa"
+    body = {"model": name, "prompt": "0 1 2 3", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{serve_url}/v1/completions", json=body, timeout=0.3)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and model_stats(name)["num_used_blocks"]:
+        time.sleep(0.2)
+    assert model_stats(name)["num_used_blocks"] == 0
+
+
+@pytest.mark.parametrize("body,status,param,text", [
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature", None),
+    ({"model": MODEL, "prompt": "x", "top_p": 7}, 400, "top_p", None),
+    ({"model": MODEL, "prompt": [5] * 200, "max_tokens": 100}, 400, "max_tokens", "(200 tokens) + max_tokens (100)"),
+    ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, None, "not supported"),
+    ({"model": MODEL, "prompt": "x", "functions": []}, 400, "functions", None),
+    ({"model": "missing", "prompt": "x"}, 404, "model", "does not exist"),
+])
+def test_error_cases_over_http(serve_url, body, status, param, text):
+    r = httpx.post(f"{serve_url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if param:
+        assert err["param"] == param
+    if text:
+        assert text in err["message"]
+
+
+def test_invalid_json_over_http(serve_url):
+    r = httpx.post(f"{serve_url}/v1/chat/completions", content=b"{oops", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_cli_serve_joins_an_existing_cluster(serve_url, tiny_variants):
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    exe = os.path.join(os.path.dirname(sys.executable), "attnserve")
+    port = serve_url.rsplit(":", 1)[1]
+    proc = subprocess.Popen([exe, "serve", "--address", address, "--app-name", "joined", "--route-prefix", "/joined",
+                             "--port", port, "--model", f"tiny={tiny_variants['tiny-mqa']}", "--dtype", "float32",
+                             "--num-blocks", "64", "--num-cpus", "0.25", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None
+            try:
+                r = httpx.get(f"{serve_url}/joined/v1/models", timeout=10)
+            except httpx.TimeoutException:  # the route exists before its replicas are ready
+                continue
+            if r.status_code == 200:
+                break
+            time.sleep(1)
+        assert [m["id"] for m in r.json()["data"]] == ["tiny"]
+        c = httpx.post(f"{serve_url}/joined/v1/completions", json={"model": "tiny", "prompt": "0 1", "max_tokens": 3},
+                       timeout=60)
+        assert c.status_code == 200
+    finally:
+        proc.send_signal(2)  # SIGINT, as Ctrl-C
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    from ray import serve
+
+    assert "joined" not in serve.status().applications  # only our application was removed...
+    assert httpx.get(f"{serve_url}/health").status_code == 200  # ...the cluster and other apps live on
