@@ -13,7 +13,10 @@ export HF_HUB_OFFLINE ?= 1
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install serve test clean
+# Debian/Ubuntu packages the tests drive for real: Prometheus (+ promtool) and headless Chromium.
+SYSTEM_PACKAGES ?= prometheus chromium
+
+.PHONY: install system-deps serve test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +30,25 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 
 install: $(STAMP)
 
+# Installs what is missing with apt (as root, or through sudo). policy-rc.d keeps the
+# package's own Prometheus service from starting: tests start their own on a free port.
+system-deps:
+	@missing=""; \
+	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
+	  echo "installing system packages:$$missing"; \
+	  created=""; if [ ! -e /usr/sbin/policy-rc.d ]; then created=1; \
+	    printf '#!/bin/sh\nexit 101\n' | $$sudo tee /usr/sbin/policy-rc.d >/dev/null && $$sudo chmod +x /usr/sbin/policy-rc.d; fi; \
+	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends $$missing; \
+	  status=$$?; [ -z "$$created" ] || $$sudo rm -f /usr/sbin/policy-rc.d; exit $$status; \
+	fi
+
 serve: install
 	$(VENV)/bin/attnserve serve $(SERVE_ARGS)
 
-test: install
+test: install system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from typing import Any, AsyncIterator
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -22,6 +24,49 @@ from server.worker import Chunk, GenerateCall, ModelInfo, ModelWorker, PromptInf
 
 logger = logging.getLogger(__name__)
 FORWARDED_ENV = ("ATTNSERVE_CACHE_DIR", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "HF_HOME")
+HUB_NAMESPACE = "attnserve"
+REPORT_PERIOD_S = 1.0
+
+
+@ray.remote(num_cpus=0)
+class MetricsHub:
+    """One per application and cluster: every model replica, on any node, pushes its snapshot here,
+    and /metrics renders the sum. A replica that stops reporting keeps its counters (they stay
+    monotonic) but its gauges drop out after STALE_AFTER_S."""
+
+    def __init__(self) -> None:
+        self.snapshots: dict[str, dict] = {}
+
+    def report(self, replica_id: str, snapshot: dict) -> None:
+        self.snapshots[replica_id] = snapshot
+
+    def collect(self) -> list[dict]:
+        return list(self.snapshots.values())
+
+
+def metrics_hub(app_name: str):
+    """The application's hub actor, created by whichever replica asks first."""
+    return MetricsHub.options(name=f"attnserve-metrics-{app_name}", namespace=HUB_NAMESPACE, lifetime="detached",
+                              get_if_exists=True).remote()
+
+
+class _Reporter(threading.Thread):
+    """Pushes the worker's metrics snapshot to the hub every REPORT_PERIOD_S."""
+
+    def __init__(self, worker: ModelWorker, hub, replica_id: str) -> None:
+        super().__init__(name="attnserve-metrics", daemon=True)
+        self.worker, self.hub, self.replica_id = worker, hub, replica_id
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(REPORT_PERIOD_S):
+            self.push()
+
+    def push(self) -> None:
+        try:
+            self.hub.report.remote(self.replica_id, self.worker.snapshot())
+        except Exception:  # noqa: BLE001 - metrics must never take the replica down
+            logger.exception("metrics report failed")
 
 
 @serve.deployment(health_check_period_s=5, health_check_timeout_s=30)
@@ -30,6 +75,10 @@ class ModelDeployment:
 
     def __init__(self, name: str, engine_config: EngineConfig) -> None:
         self.worker = ModelWorker(name, engine_config)
+        ctx = serve.get_replica_context()
+        self.reporter = _Reporter(self.worker, metrics_hub(ctx.app_name), ctx.replica_id.unique_id)
+        self.reporter.push()
+        self.reporter.start()
 
     async def info(self) -> ModelInfo:
         return self.worker.info
@@ -54,10 +103,17 @@ class ModelDeployment:
     async def stats(self) -> dict[str, int]:
         return self.worker.stats()
 
+    async def snapshot(self) -> dict:
+        return self.worker.snapshot()
+
     async def decode(self, token_ids: list[int]) -> str:
         return self.worker.decode(token_ids)
 
     def __del__(self) -> None:
+        reporter = getattr(self, "reporter", None)
+        if reporter is not None:
+            reporter.stopped.set()
+            reporter.push()  # final counts survive the replica
         worker = getattr(self, "worker", None)
         if worker is not None:
             worker.shutdown()
@@ -99,9 +155,13 @@ class OpenAIIngress:
     def __init__(self, models: dict[str, DeploymentHandle], limits: ApiLimits, api_key: str | None) -> None:
         self.api = OpenAIApi({name: RayModelClient(h) for name, h in models.items()}, limits)
         self.api_key = api_key
+        self.hub = metrics_hub(serve.get_replica_context().app_name)
+
+    async def snapshots(self) -> list[dict]:
+        return await self.hub.collect.remote()
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.api, self.api_key)
+        return create_app(self.api, self.api_key, self.snapshots)
 
 
 def _deployment_name(model: str) -> str:

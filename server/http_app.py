@@ -6,21 +6,24 @@ the replica (after its __init__), in unit tests it is built in-process.
 from __future__ import annotations
 
 import hmac
-
 import logging
-from typing import Any
+from pathlib import Path
+from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.metrics import dashboard_data, render_prometheus
 from server.openai_api import ApiError, OpenAIApi
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 
 logger = logging.getLogger(__name__)
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+STATIC = Path(__file__).parent / "static"
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -82,7 +85,9 @@ def _param(loc: tuple) -> str | None:
     return ".".join(parts) if parts else None
 
 
-def create_app(api: OpenAIApi, api_key: str | None = None) -> FastAPI:
+def create_app(api: OpenAIApi, api_key: str | None = None,
+               snapshots: Callable[[], Awaitable[list[dict]]] | None = None) -> FastAPI:
+    """`snapshots` returns every replica's metrics snapshot (see server/metrics.py)."""
     app = FastAPI(title="attnserve", version="0.1.0", description="OpenAI-compatible text generation")
     app.add_middleware(GuardMiddleware, max_body_bytes=api.limits.max_body_bytes, api_key=api_key)
 
@@ -118,6 +123,29 @@ def create_app(api: OpenAIApi, api_key: str | None = None) -> FastAPI:
         models = await api.health()
         ok = bool(models) and all(models.values())
         return JSONResponse({"status": "ok" if ok else "unavailable", "models": models}, status_code=200 if ok else 503)
+
+    async def all_snapshots() -> list[dict]:
+        return await snapshots() if snapshots is not None else []
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render_prometheus(await all_snapshots()), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return Response((STATIC / "dashboard.html").read_bytes(), media_type="text/html")
+
+    @app.get("/dashboard/data")
+    async def dashboard_json() -> JSONResponse:
+        return JSONResponse(dashboard_data(await all_snapshots()))
+
+    @app.get("/dashboard/uplot.js")
+    async def uplot_js() -> Response:
+        return Response((STATIC / "uplot" / "uPlot.iife.min.js").read_bytes(), media_type="text/javascript")
+
+    @app.get("/dashboard/uplot.css")
+    async def uplot_css() -> Response:
+        return Response((STATIC / "uplot" / "uPlot.min.css").read_bytes(), media_type="text/css")
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

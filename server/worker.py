@@ -8,10 +8,11 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Sequence
 
-from server.engine import EngineConfig, LLMEngine, SamplingParams
+from server.engine import EngineConfig, LLMEngine, QueueFullError, SamplingParams
 from server.engine.async_engine import AsyncEngine
 from server.engine.errors import InvalidRequestError
 from server.engine.request import RequestOutput, TokenLogprob
+from server.metrics import MetricsRecorder
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,11 @@ class ModelWorker:
         self.name = name
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
-        self.async_engine = AsyncEngine(self.engine, config.num_threads)
         cfg = self.engine.model_config
+        self.metrics = MetricsRecorder(name, cfg.attention_kind, cfg.num_kv_heads, self.engine.max_model_len,
+                                       self.engine.kv.num_blocks)
+        self.engine.on_finished = self.metrics.on_finished
+        self.async_engine = AsyncEngine(self.engine, config.num_threads)
         self.info = ModelInfo(
             name=name, max_model_len=self.engine.max_model_len, architecture=cfg.architecture,
             attention=cfg.attention_kind, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
@@ -111,6 +115,10 @@ class ModelWorker:
     @property
     def is_healthy(self) -> bool:
         return self.async_engine.is_alive
+
+    def snapshot(self) -> dict[str, Any]:
+        """Metrics snapshot (cumulative counts + current gauges) for aggregation across replicas."""
+        return self.metrics.snapshot(self.engine)
 
     def stats(self) -> dict[str, int]:
         """A racy but consistent-enough snapshot of engine state (read from the API thread)."""
@@ -167,10 +175,18 @@ class ModelWorker:
         params = call.params
         if call.fit_max_tokens:
             params = replace(params, max_tokens=max(1, min(params.max_tokens, self.info.max_model_len - len(ids))))
-        stream = self.async_engine.generate(ids, params, call.request_id)
+        try:
+            stream = self.async_engine.generate(ids, params, call.request_id)
+        except InvalidRequestError:
+            self.metrics.on_error("invalid_request")
+            raise
         yield PromptInfo(len(ids))
-        async for out in stream:
-            yield self._chunk(out)
+        try:
+            async for out in stream:
+                yield self._chunk(out)
+        except QueueFullError:
+            self.metrics.on_error("queue_full")
+            raise
 
     def _chunk(self, out: RequestOutput) -> Chunk:
         s = out.stats

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -48,8 +48,10 @@ class CompletionResult:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: DecoderLM | None = None, tokenizer: Any = None) -> None:
+    def __init__(self, config: EngineConfig, model: DecoderLM | None = None, tokenizer: Any = None,
+                 on_finished: Callable[[Request], None] | None = None) -> None:
         self.config = config
+        self.on_finished = on_finished  # called on the engine thread for every finished sequence
         if model is None:
             path = resolve_model(config.model)
             model = load_model(path, parse_dtype(config.dtype), config.device)
@@ -73,6 +75,7 @@ class LLMEngine:
         self.groups: dict[str, list[Request]] = {}
         self.num_steps = 0
         self.num_step_errors = 0
+        self.num_generated_tokens = 0
 
     # ---- admission -------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -151,6 +154,7 @@ class LLMEngine:
 
     def _on_token(self, req: Request, token: int, logprob: TokenLogprob | None, now: float) -> RequestOutput:
         req.append_token(token, now)
+        self.num_generated_tokens += 1
         if logprob is not None:
             req.logprobs.append(logprob)
         p, reason = req.params, None
@@ -174,6 +178,11 @@ class LLMEngine:
         group = self.groups.get(req.group_id)
         if group is not None and all(r.is_finished for r in group):
             del self.groups[req.group_id]
+        if self.on_finished is not None:
+            try:
+                self.on_finished(req)
+            except Exception:  # accounting must never take a request (or the engine) down
+                logger.exception("on_finished hook failed")
         return RequestOutput(req.group_id, req.index, tokens, text, True, reason, lps, req.stats, error)
 
     def _fail(self, req: Request, message: str) -> RequestOutput:

@@ -53,6 +53,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.held: dict[str, list[Request]] = {}  # n > 1: samples waiting for their first sibling's prefill
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # prompt tokens of admitted requests (first admission only)
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0
         self.num_partial_prefills = 0  # prefill chunks that stopped short of the prompt's end
@@ -102,7 +103,8 @@ class Scheduler:
             if first:
                 req.stats.first_scheduled_time = time.monotonic()
                 req.stats.num_cached_tokens = hit.num_tokens
-                self.num_prefix_queries += req.num_prompt_tokens
+                self.num_prompt_tokens += req.num_prompt_tokens
+                self.num_prefix_queries += req.num_prompt_tokens if self.kv.pool.enable_caching else 0
                 self.num_prefix_hits += hit.num_tokens
             chosen[req.request_id] = (req, n, hit.num_tokens)
             budget -= n

@@ -1,0 +1,286 @@
+"""Per-request latency and KV memory against sequence length, per model, summed over replicas.
+
+A `MetricsRecorder` in each replica is fed by its engine thread and turned into plain-dict
+snapshots; snapshots from every replica (pushed to one hub actor in a cluster) are merged and
+rendered here, for Prometheus (`render_prometheus`) and for the built-in dashboard
+(`dashboard_data`). No Ray imports: the transport lives in server/deployment.py.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import deque
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from server.engine.request import Request
+
+PREFIX = "attnserve"
+MODEL_LABELS = ("model", "attention", "kv_heads")
+STALE_AFTER_S = 15.0  # gauges of a replica silent for longer are dropped (it is gone)
+RECENT_REQUESTS = 500
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def one_two_five(lo: float, hi: float) -> tuple[float, ...]:
+    """1-2-5 series from lo up to the first value >= hi."""
+    out, decade = [], 1
+    while decade * 5 < lo:
+        decade *= 10
+    while True:
+        for m in (1, 2, 5):
+            v = m * decade
+            if v >= lo:
+                out.append(float(v))
+            if v >= hi:
+                return tuple(out)
+        decade *= 10
+
+
+KV_BYTES_BUCKETS = one_two_five(1e4, 1e11)
+
+
+def seq_len_bucket(n: int) -> str:
+    """'1-1', '2-2', '3-5', '6-10', '11-20', ... : the 1-2-5 range holding n."""
+    edges = one_two_five(1, max(n, 1))
+    hi = int(edges[-1])
+    lo = int(edges[-2]) + 1 if len(edges) > 1 else 1
+    return f"{lo}-{hi}"
+
+
+class _Histogram:
+    def __init__(self, buckets: Iterable[float]) -> None:
+        self.buckets = tuple(buckets)
+        self.series: dict[str, list] = {}  # label value -> [bucket counts..., +Inf count, sum]
+
+    def observe(self, key: str, value: float) -> None:
+        s = self.series.setdefault(key, [0] * (len(self.buckets) + 1) + [0.0])
+        s[bisect.bisect_left(self.buckets, value)] += 1
+        s[-1] += value
+
+    def export(self) -> dict[str, Any]:
+        return {"buckets": self.buckets, "series": {k: list(v) for k, v in self.series.items()}}
+
+
+# name -> (help, buckets, labelled by seq_len_bucket)
+HISTOGRAMS = {
+    "time_to_first_token_seconds": ("Time to first token, by prompt+output length", TTFT_BUCKETS, True),
+    "inter_token_latency_seconds": ("Gap between consecutive output tokens", ITL_BUCKETS, True),
+    "e2e_request_latency_seconds": ("Arrival to last token", LATENCY_BUCKETS, True),
+    "request_queue_time_seconds": ("Arrival to first scheduling", LATENCY_BUCKETS, True),
+    "request_prefill_time_seconds": ("First scheduling to first token", LATENCY_BUCKETS, True),
+    "request_kv_cache_bytes": ("Peak KV-cache bytes held by one request", KV_BYTES_BUCKETS, True),
+    "request_kv_blocks": ("Peak KV blocks held by one request", None, True),
+    "request_prompt_tokens": ("Prompt tokens per request", None, False),
+    "request_generation_tokens": ("Generated tokens per request", None, False),
+}
+COUNTERS = {
+    "prompt_tokens": "Prompt tokens processed",
+    "generation_tokens": "Tokens generated",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
+    "prefix_cache_hits": "Prompt tokens served from the prefix cache",
+    "preemptions": "Requests preempted (KV blocks reclaimed, recomputed later)",
+}
+
+
+class MetricsRecorder:
+    """Counts for one replica. `on_finished` runs on the engine thread, `snapshot` on the event loop."""
+
+    def __init__(self, model: str, attention: str, kv_heads: int, max_model_len: int, num_blocks: int) -> None:
+        self.labels = {"model": model, "attention": attention, "kv_heads": str(kv_heads)}
+        token_buckets = one_two_five(1, max_model_len)
+        self.histograms = {name: _Histogram(b if b is not None else (one_two_five(1, num_blocks) if "blocks" in name
+                                                                  else token_buckets))
+                           for name, (_, b, _) in HISTOGRAMS.items()}
+        self.finish_reasons: dict[str, int] = {}
+        self.errors: dict[str, int] = {}
+        self.recent: deque = deque(maxlen=RECENT_REQUESTS)
+        self.lock = threading.Lock()
+
+    def on_finished(self, req: Request) -> None:
+        s = req.stats
+        seq_len = s.num_prompt_tokens + s.num_output_tokens
+        key = seq_len_bucket(seq_len)
+        with self.lock:
+            self.finish_reasons[req.finish_reason] = self.finish_reasons.get(req.finish_reason, 0) + 1
+            if req.finish_reason == "error":
+                self.errors["step_failed"] = self.errors.get("step_failed", 0) + 1
+            h = self.histograms
+            for name, value in (("time_to_first_token_seconds", s.ttft), ("e2e_request_latency_seconds", s.e2e_latency),
+                                ("request_queue_time_seconds", s.queue_time),
+                                ("request_prefill_time_seconds", s.prefill_time)):
+                if value is not None:
+                    h[name].observe(key, value)
+            for gap in s.inter_token_latencies:
+                h["inter_token_latency_seconds"].observe(key, gap)
+            if s.peak_blocks:
+                h["request_kv_cache_bytes"].observe(key, s.peak_kv_bytes)
+                h["request_kv_blocks"].observe(key, s.peak_blocks)
+            h["request_prompt_tokens"].observe("", s.num_prompt_tokens)
+            h["request_generation_tokens"].observe("", s.num_output_tokens)
+            itl = sum(s.inter_token_latencies) / len(s.inter_token_latencies) if s.inter_token_latencies else None
+            self.recent.append((seq_len, s.num_prompt_tokens, s.num_output_tokens, s.peak_kv_bytes, s.ttft, itl,
+                                s.e2e_latency))
+
+    def on_error(self, kind: str) -> None:
+        with self.lock:
+            self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def snapshot(self, engine) -> dict[str, Any]:
+        """Cumulative counts plus current gauges, as plain data (safe to pickle and merge)."""
+        sch, kv, spec = engine.scheduler, engine.kv, engine.kv_spec
+        with self.lock:
+            hist = {name: h.export() for name, h in self.histograms.items()}
+            reasons, errors, recent = dict(self.finish_reasons), dict(self.errors), list(self.recent)
+        return {
+            "labels": self.labels,
+            "time": time.time(),
+            "counters": {
+                "prompt_tokens": sch.num_prompt_tokens, "generation_tokens": engine.num_generated_tokens,
+                "prefix_cache_queries": sch.num_prefix_queries, "prefix_cache_hits": sch.num_prefix_hits,
+                "preemptions": sch.num_preemptions,
+            },
+            "finish_reasons": reasons,
+            "errors": errors,
+            "gauges": {
+                "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.num_used_blocks,
+                "kv_blocks_cached_free": kv.pool.num_cached_free_blocks,
+                "kv_bytes_total": kv.num_blocks * spec.bytes_per_block,
+                "kv_bytes_used": kv.num_used_blocks * spec.bytes_per_block,
+                "requests_running": len(sch.running), "requests_waiting": len(sch.waiting),
+            },
+            "static": {"kv_bytes_per_token": spec.bytes_per_token, "block_size": spec.block_size,
+                       "max_model_len": engine.max_model_len},
+            "histograms": hist,
+            "recent": recent,
+        }
+
+
+def _fresh(snapshots: list[dict], now: float) -> list[dict]:
+    return [s for s in snapshots if now - s["time"] <= STALE_AFTER_S]
+
+
+def _by_model(snapshots: list[dict]) -> dict[tuple[str, ...], list[dict]]:
+    groups: dict[tuple[str, ...], list[dict]] = {}
+    for s in snapshots:
+        groups.setdefault(tuple(s["labels"][k] for k in MODEL_LABELS), []).append(s)
+    return groups
+
+
+class _SnapshotCollector:
+    def __init__(self, snapshots: list[dict], now: float) -> None:
+        self.snapshots, self.now = snapshots, now
+
+    def collect(self):
+        groups = _by_model(self.snapshots)
+        labels = list(MODEL_LABELS)
+
+        g = {
+            "kv_blocks": GaugeMetricFamily(f"{PREFIX}_kv_blocks", "KV blocks by state (summed over live replicas)",
+                                           labels=labels + ["state"]),
+            "kv_bytes": GaugeMetricFamily(f"{PREFIX}_kv_bytes", "KV-cache bytes by state (summed over live replicas)",
+                                          labels=labels + ["state"]),
+            "kv_bytes_per_token": GaugeMetricFamily(f"{PREFIX}_kv_bytes_per_token",
+                                                    "2 x layers x kv_heads x head_dim x dtype bytes", labels=labels),
+            "kv_cache_usage_ratio": GaugeMetricFamily(f"{PREFIX}_kv_cache_usage_ratio", "Used / total KV blocks",
+                                                      labels=labels),
+            "requests_running": GaugeMetricFamily(f"{PREFIX}_requests_running", "Requests being decoded or prefilled",
+                                                  labels=labels),
+            "requests_waiting": GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Requests queued for admission",
+                                                  labels=labels),
+            "replicas": GaugeMetricFamily(f"{PREFIX}_replicas", "Live replicas reporting", labels=labels),
+        }
+        counters = {name: CounterMetricFamily(f"{PREFIX}_{name}", help_, labels=labels) for name, help_ in COUNTERS.items()}
+        finished = CounterMetricFamily(f"{PREFIX}_requests", "Finished requests by reason", labels=labels + ["finish_reason"])
+        errors = CounterMetricFamily(f"{PREFIX}_request_errors", "Failed or rejected requests by error type",
+                                     labels=labels + ["error_type"])
+        hists = {name: HistogramMetricFamily(f"{PREFIX}_{name}", help_, labels=labels + (["seq_len_bucket"] if by_len else []))
+                 for name, (help_, _, by_len) in HISTOGRAMS.items()}
+        for key, snaps in groups.items():
+            lv = list(key)
+            live = _fresh(snaps, self.now)
+            gs = lambda k: sum(s["gauges"][k] for s in live)  # noqa: E731
+            for state, k in (("total", "kv_blocks_total"), ("used", "kv_blocks_used"), ("cached_free", "kv_blocks_cached_free")):
+                g["kv_blocks"].add_metric(lv + [state], gs(k))
+            for state, k in (("capacity", "kv_bytes_total"), ("used", "kv_bytes_used")):
+                g["kv_bytes"].add_metric(lv + [state], gs(k))
+            g["kv_bytes_per_token"].add_metric(lv, max(s["static"]["kv_bytes_per_token"] for s in snaps))
+            total = gs("kv_blocks_total")
+            g["kv_cache_usage_ratio"].add_metric(lv, gs("kv_blocks_used") / total if total else 0.0)
+            g["requests_running"].add_metric(lv, gs("requests_running"))
+            g["requests_waiting"].add_metric(lv, gs("requests_waiting"))
+            g["replicas"].add_metric(lv, len(live))
+            for name, fam in counters.items():
+                fam.add_metric(lv, sum(s["counters"][name] for s in snaps))
+            for field, fam in (("finish_reasons", finished), ("errors", errors)):
+                merged: dict[str, int] = {}
+                for s in snaps:
+                    for k, v in s[field].items():
+                        merged[k] = merged.get(k, 0) + v
+                for k, v in sorted(merged.items()):
+                    fam.add_metric(lv + [k], v)
+            for name, fam in hists.items():
+                buckets = snaps[0]["histograms"][name]["buckets"]
+                merged_series: dict[str, list] = {}
+                for s in snaps:
+                    for k, v in s["histograms"][name]["series"].items():
+                        acc = merged_series.setdefault(k, [0] * len(v))
+                        for i, x in enumerate(v):
+                            acc[i] += x
+                for k, v in sorted(merged_series.items(), key=lambda kv: _bucket_order(kv[0])):
+                    cumulative, pairs = 0, []
+                    for edge, count in zip([*buckets, float("inf")], v[:-1]):
+                        cumulative += count
+                        pairs.append(("+Inf" if edge == float("inf") else _edge(edge), cumulative))
+                    fam.add_metric(lv + ([k] if HISTOGRAMS[name][2] else []), pairs, v[-1])
+        yield from g.values()
+        yield from counters.values()
+        yield finished
+        yield errors
+        yield from hists.values()
+
+
+def _edge(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else repr(v)
+
+
+def _bucket_order(label: str) -> int:
+    return int(label.split("-")[0]) if label and label[0].isdigit() else 0
+
+
+def render_prometheus(snapshots: list[dict], now: float | None = None) -> bytes:
+    """Prometheus text exposition of the merged snapshots."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SnapshotCollector(snapshots, time.time() if now is None else now))
+    return generate_latest(registry)
+
+
+def dashboard_data(snapshots: list[dict], now: float | None = None) -> dict[str, Any]:
+    """Per model: static KV facts, live gauges and recent (seq_len, kv_bytes, ttft, itl, e2e) points."""
+    now = time.time() if now is None else now
+    models = []
+    for (model, attention, kv_heads), snaps in sorted(_by_model(snapshots).items()):
+        live = _fresh(snaps, now)
+        static = snaps[0]["static"]
+        recent = sorted((r for s in snaps for r in s["recent"]), key=lambda r: r[0])[-2000:]
+        models.append({
+            "model": model, "attention": attention, "kv_heads": int(kv_heads),
+            "kv_bytes_per_token": static["kv_bytes_per_token"], "block_size": static["block_size"],
+            "max_model_len": static["max_model_len"],
+            "kv_blocks_total": sum(s["gauges"]["kv_blocks_total"] for s in live),
+            "kv_blocks_used": sum(s["gauges"]["kv_blocks_used"] for s in live),
+            "requests_running": sum(s["gauges"]["requests_running"] for s in live),
+            "replicas": len(live),
+            "requests": [{"seq_len": r[0], "prompt_tokens": r[1], "output_tokens": r[2], "kv_bytes": r[3],
+                          "ttft": r[4], "itl": r[5], "e2e": r[6]} for r in recent],
+        })
+    return {"time": now, "models": models}

@@ -1,0 +1,78 @@
+"""Metrics merging and rendering, without Ray: sums across replicas, staleness, exposition format."""
+import shutil
+import subprocess
+import time
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.metrics import dashboard_data, one_two_five, render_prometheus, seq_len_bucket
+
+
+def snapshot(model="m", attention="gqa", kv_heads=2, used=3, age=0.0, ttft=(0.1,), finished=1, hits=5):
+    buckets = (0.05, 0.5, 5.0)
+    counts = [0, 0, 0, 0]
+    for t in ttft:
+        counts[sum(t > b for b in buckets)] += 1
+    hist = {"buckets": buckets, "series": {"11-20": counts + [sum(ttft)]}}
+    empty = {"buckets": buckets, "series": {}}
+    names = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+             "request_queue_time_seconds", "request_prefill_time_seconds", "request_kv_cache_bytes",
+             "request_kv_blocks", "request_prompt_tokens", "request_generation_tokens"]
+    return {
+        "labels": {"model": model, "attention": attention, "kv_heads": str(kv_heads)}, "time": time.time() - age,
+        "counters": {"prompt_tokens": 10, "generation_tokens": 7, "prefix_cache_queries": 10, "prefix_cache_hits": hits,
+                     "preemptions": 1},
+        "finish_reasons": {"length": finished}, "errors": {},
+        "gauges": {"kv_blocks_total": 100, "kv_blocks_used": used, "kv_blocks_cached_free": 2, "kv_bytes_total": 1000,
+                   "kv_bytes_used": used * 10, "requests_running": 1, "requests_waiting": 0},
+        "static": {"kv_bytes_per_token": 64 * kv_heads, "block_size": 16, "max_model_len": 256},
+        "histograms": {n: (hist if n == "time_to_first_token_seconds" else empty) for n in names},
+        "recent": [(12, 10, 2, 640, 0.1, 0.01, 0.2)],
+    }
+
+
+def parse(text: bytes) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(text.decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples, name, **labels):
+    matches = [v for (n, ls), v in samples.items() if n == name and all(dict(ls).get(k) == v2 for k, v2 in labels.items())]
+    assert len(matches) == 1, (name, labels, matches)
+    return matches[0]
+
+
+def test_one_two_five_and_seq_len_buckets():
+    assert one_two_five(1, 100) == (1, 2, 5, 10, 20, 50, 100)
+    assert one_two_five(1e4, 3e4) == (1e4, 2e4, 5e4)
+    assert [seq_len_bucket(n) for n in (1, 2, 3, 5, 6, 100, 101, 4096)] == \
+        ["1-1", "2-2", "3-5", "3-5", "6-10", "51-100", "101-200", "2001-5000"]
+
+
+def test_replicas_are_summed_and_stale_gauges_dropped():
+    snaps = [snapshot(used=3, ttft=(0.1, 1.0)), snapshot(used=4, ttft=(0.01,)), snapshot(used=50, age=60, ttft=(9.0,))]
+    s = parse(render_prometheus(snaps))
+    assert value(s, "attnserve_kv_blocks", model="m", state="used") == 7  # the stale replica's gauge is gone
+    assert value(s, "attnserve_replicas", model="m") == 2
+    assert value(s, "attnserve_prefix_cache_hits_total", model="m") == 15  # ...but its counts stay
+    assert value(s, "attnserve_time_to_first_token_seconds_count", model="m", seq_len_bucket="11-20") == 4
+    assert value(s, "attnserve_time_to_first_token_seconds_bucket", model="m", le="0.5") == 2
+    assert value(s, "attnserve_kv_bytes_per_token", model="m", attention="gqa", kv_heads="2") == 128
+    assert value(s, "attnserve_requests_total", model="m", finish_reason="length") == 3
+
+
+def test_models_stay_apart():
+    s = parse(render_prometheus([snapshot("a", "mha", 4), snapshot("b", "mqa", 1)]))
+    assert value(s, "attnserve_kv_bytes_per_token", model="a") == 4 * value(s, "attnserve_kv_bytes_per_token", model="b")
+    data = dashboard_data([snapshot("a", "mha", 4), snapshot("b", "mqa", 1)])
+    assert [m["model"] for m in data["models"]] == ["a", "b"] and data["models"][0]["requests"][0]["kv_bytes"] == 640
+
+
+def test_promtool_accepts_the_exposition():
+    assert shutil.which("promtool"), "promtool missing: `make test` installs Debian's prometheus package"
+    text = render_prometheus([snapshot(), snapshot("b", "mha", 4)])
+    res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True)
+    assert res.returncode == 0, res.stdout + res.stderr
