@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # Debian/Ubuntu packages the tests drive for real: Prometheus (+ promtool) and headless Chromium.
 SYSTEM_PACKAGES ?= prometheus chromium
 
-.PHONY: install system-deps serve test clean
+.PHONY: install system-deps serve test loadtest clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ serve: install
 
 test: install system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Headless locust against `attnserve serve` started for the run (or LOADTEST_ARGS="--url ...").
+loadtest: install
+	$(PY) loadtests/run_loadtest.py $(LOADTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,161 @@
+"""Locust users for an OpenAI-compatible server (attnserve or a peer).
+
+Environment:
+  ATTNSERVE_WORKLOAD  JSONL from loadtests/workload.py (default loadtests/out/workload.jsonl, built if missing)
+  ATTNSERVE_MODELS    comma-separated served model names; MixedModelUser cycles through them (default: default)
+
+Streaming users read the SSE body chunk by chunk as it arrives (FastHttpUser.iter_lines buffers
+1 KiB, which would hide the first token) and fire their own `TTFT` and `ITL` request events;
+`TOKENS` events carry the output token count in `response_length`.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+from locust import HttpUser, between, task
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+_LOCK = threading.Lock()
+_WORKLOAD: dict[str, list[dict]] = {}
+
+
+def workload() -> dict[str, list[dict]]:
+    with _LOCK:
+        if not _WORKLOAD:
+            path = Path(os.environ.get("ATTNSERVE_WORKLOAD", "loadtests/out/workload.jsonl"))
+            if not path.exists():
+                from loadtests.workload import main as build_workload
+
+                build_workload(["--out", str(path)])
+            for line in path.read_text().splitlines():
+                record = json.loads(line)
+                _WORKLOAD.setdefault(record["kind"], []).append(record)
+        return _WORKLOAD
+
+
+def models() -> list[str]:
+    return [m for m in os.environ.get("ATTNSERVE_MODELS", "default").split(",") if m]
+
+
+def fire(environment, kind: str, name: str, seconds: float = 0.0, length: int = 0, exception=None) -> None:
+    environment.events.request.fire(request_type=kind, name=name, response_time=seconds * 1000,
+                                    response_length=length, exception=exception, context={})
+
+
+class _OpenAIUser(HttpUser):
+    abstract = True
+    wait_time = between(0.1, 0.5)
+    kind = "chat"
+    max_tokens_cap = 128
+
+    def on_start(self) -> None:
+        self.records = workload()[self.kind]
+        self.rng = random.Random()
+        self.model_cycle = itertools.cycle(models())
+
+    def pick(self) -> tuple[str, dict]:
+        return next(self.model_cycle), self.rng.choice(self.records)
+
+    def stream_chat(self, model: str, record: dict, name: str) -> None:
+        body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                "max_tokens": min(record["max_tokens"], self.max_tokens_cap), "temperature": 0.7,
+                "messages": [{"role": "user", "content": f"{record['prompt']}\n\nContinue this text."}]}
+        start = time.perf_counter()
+        last, tokens, usage_tokens, error = None, 0, None, None
+        with self.client.post("/v1/chat/completions", json=body, stream=True, name=name, catch_response=True) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                return
+            buffer = b""
+            for piece in resp.iter_content(chunk_size=None):
+                buffer += piece
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                        continue
+                    data = json.loads(event[6:])
+                    if "error" in data:
+                        error = data["error"].get("message", "error")
+                        continue
+                    if data.get("usage"):
+                        usage_tokens = data["usage"].get("completion_tokens")
+                    choices = data.get("choices") or []
+                    if choices and choices[0].get("delta", {}).get("content"):
+                        now = time.perf_counter()
+                        if last is None:
+                            fire(self.environment, "TTFT", name, now - start)
+                        else:
+                            fire(self.environment, "ITL", name, now - last)
+                        last, tokens = now, tokens + 1
+            if error:
+                resp.failure(error)
+            elif last is None:
+                resp.failure("stream ended without content")
+            else:
+                resp.success()
+        fire(self.environment, "TOKENS", name, 0.0, usage_tokens if usage_tokens is not None else tokens)
+
+
+class ChatStreamUser(_OpenAIUser):
+    """Streaming chat with workload prompts of lognormal length."""
+
+    @task
+    def chat(self) -> None:
+        model, record = self.pick()
+        self.stream_chat(model, record, "chat-stream")
+
+
+class CompletionUser(_OpenAIUser):
+    """Non-streaming text completions."""
+
+    @task
+    def complete(self) -> None:
+        model, record = self.pick()
+        body = {"model": model, "prompt": record["prompt"], "max_tokens": min(record["max_tokens"], 64),
+                "temperature": 0.7}
+        with self.client.post("/v1/completions", json=body, name="completion", catch_response=True) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                return
+            fire(self.environment, "TOKENS", "completion", 0.0, resp.json()["usage"]["completion_tokens"])
+            resp.success()
+
+
+class SharedPrefixUser(_OpenAIUser):
+    """One long system passage shared by every request: the prefix cache should serve it."""
+
+    kind = "shared_prefix"
+
+    @task
+    def chat(self) -> None:
+        model, record = self.pick()
+        self.stream_chat(model, record, "shared-prefix")
+
+
+class LongPromptUser(_OpenAIUser):
+    """Prompts of 1,000-3,000 words: prefill-heavy, chunked."""
+
+    kind = "long"
+    max_tokens_cap = 32
+
+    @task
+    def chat(self) -> None:
+        model, record = self.pick()
+        self.stream_chat(model, record, "long-prompt")
+
+
+class MixedModelUser(_OpenAIUser):
+    """Round-robin over ATTNSERVE_MODELS (e.g. the MHA, GQA and MQA forms of one model)."""
+
+    @task
+    def chat(self) -> None:
+        model, record = self.pick()
+        self.stream_chat(model, record, f"mixed:{model}")
