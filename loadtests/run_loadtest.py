@@ -105,10 +105,11 @@ def plot(out: Path, url: str | None) -> list[Path]:
     xs = sorted(series["requests/s"])
     ax.plot(xs, [series["requests/s"][x] for x in xs], label="requests/s")
     ts = sorted(tokens_total)
-    if len(ts) > 1:
-        rate = [(tokens_total[b] - tokens_total[a]) / max(b - a, 1) for a, b in zip(ts, ts[1:])]
+    if len(ts) > 1:  # tokens are counted when a request ends: smooth over a 10 s window
+        window = [next(a for a in ts if a >= t - 10) for t in ts]
+        rate = [(tokens_total[t] - tokens_total[a]) / max(t - a, 1) for t, a in zip(ts, window)]
         ax2 = ax.twinx()
-        ax2.plot(ts[1:], rate, color="tab:orange", label="output tokens/s")
+        ax2.plot(ts, rate, color="tab:orange", label="output tokens/s (10 s window)")
         ax2.set_ylabel("output tokens/s")
         ax2.legend(loc="upper right")
     ax.set_xlabel("seconds")

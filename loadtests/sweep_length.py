@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import statistics
 import subprocess
@@ -52,7 +53,10 @@ def prompt_ids(url: str, model: str, n: int) -> list[int]:
     return ids[:n]
 
 
-def measure(url: str, model: str, ids: list[int], max_tokens: int) -> dict:
+def measure(url: str, model: str, ids: list[int], max_tokens: int, salt: int) -> dict:
+    # NOTE: a different first token per call changes every chained block hash: no prefix-cache hits,
+    # so each point pays its full prefill
+    ids = [100 + salt % 30000] + ids[1:]
     body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     start, times, usage = time.perf_counter(), [], None
@@ -134,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     models = args.models.split(",")
     lengths = [int(x) for x in args.lengths.split(",")]
     results: dict[str, list[dict]] = {}
+    salts = itertools.count(1)
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:
@@ -143,9 +148,9 @@ def main(argv: list[str] | None = None) -> dict:
                                               f"http://127.0.0.1:{port}", out / "server.log"))
         for model in models:
             ids_all = prompt_ids(url, model, max(lengths))
-            measure(url, model, ids_all[:32], 4)  # warm-up
+            measure(url, model, ids_all[:32], 4, salt=0)  # warm-up
             for n in lengths:
-                runs = [measure(url, model, ids_all[:n], args.max_tokens) for _ in range(args.repeats)]
+                runs = [measure(url, model, ids_all[:n], args.max_tokens, salt=next(salts)) for _ in range(args.repeats)]
                 row = {"length": n, "kv_cache_bytes": runs[0]["kv_cache_bytes"], "tokens": runs[0]["tokens"]}
                 for key in ("ttft_s", "itl_s"):
                     row[key] = statistics.median(r[key] for r in runs)
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
                 print(model, json.dumps(row), flush=True)
     mem_lengths = [int(x) for x in args.memory_lengths.split(",")]
     memory = attention_memory(mem_lengths)
-    fits = {m: {key: slope([r["length"] for r in rows], [r[key] for r in rows]) for key in ("kv_cache_bytes", "ttft_s")}
+    fits = {m: {"kv_cache_bytes": slope([r["tokens"] - 1 for r in rows], [r["kv_cache_bytes"] for r in rows]),
+                "ttft_s": slope([r["length"] for r in rows], [r["ttft_s"] for r in rows])}
             for m, rows in results.items()}
     long_half = [n for n in lengths if n >= lengths[len(lengths) // 2]]
     for m, rows in results.items():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -94,6 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from kvcache.storage import parse_size
     from server.deployment import build_app, required_cpus
     from server.serve_config import ServeConfig
 
@@ -107,7 +109,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, max_waiting=args.max_waiting, num_replicas=args.replicas,
         autoscaling=autoscaling, max_ongoing_requests=args.max_ongoing_requests, num_cpus=args.num_cpus,
-        num_gpus=args.num_gpus, threads=args.threads, api_key=args.api_key,
+        num_gpus=args.num_gpus, threads=args.threads, api_key=args.api_key, max_n=args.max_n,
+        max_tokens=args.max_tokens_limit, max_body_bytes=parse_size(args.max_body_size),
+        max_concurrent_streams=args.max_concurrent_streams, graceful_shutdown_timeout_s=args.drain_timeout,
     )
     joined = args.address is not None
     if joined:
@@ -142,13 +146,43 @@ def _serve(args: argparse.Namespace) -> int:
 
     while not stop["flag"]:
         time.sleep(0.5)
-    print("attnserve: shutting down...", flush=True)
-    if joined:
+    print("attnserve: shutting down: draining in-flight requests...", flush=True)
+    left = _drain(args.app_name, args.drain_timeout)
+    print(f"attnserve: {'drained' if left == 0 else f'{left} request(s) still running; aborting them'}", flush=True)
+    if joined:  # leave the cluster as we found it: our application and its metrics hub go
         serve.delete(args.app_name)
+        with contextlib.suppress(ValueError):
+            ray.kill(ray.get_actor(f"attnserve-metrics-{args.app_name}", namespace="attnserve"))
     else:
         serve.shutdown()
     ray.shutdown()
     return 0
+
+
+def _drain(app_name: str, timeout: float) -> int:
+    """Wait until no engine of the application has a running or waiting request (or timeout).
+
+    Returns how many were still in flight. Reads the replicas' own reports via the metrics hub.
+    """
+    import time
+
+    import ray
+
+    from server.deployment import HUB_NAMESPACE
+    from server.metrics import STALE_AFTER_S
+
+    try:
+        hub = ray.get_actor(f"attnserve-metrics-{app_name}", namespace=HUB_NAMESPACE)
+    except ValueError:
+        return 0
+    deadline, left = time.monotonic() + timeout, 0
+    while True:
+        now = time.time()
+        snaps = [s for s in ray.get(hub.collect.remote()) if now - s["time"] <= STALE_AFTER_S]
+        left = sum(s["gauges"]["requests_running"] + s["gauges"]["requests_waiting"] for s in snaps)
+        if left == 0 or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -205,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--address", help="join this Ray cluster instead of starting a local one")
     srv.add_argument("--dashboard", action="store_true", help="start Ray's dashboard too")
     srv.add_argument("--app-name", default=APP_NAME, help="Serve application name")
+    srv.add_argument("--max-n", type=int, default=16, help="largest `n` a request may ask for")
+    srv.add_argument("--max-tokens-limit", type=int, default=8192, help="largest `max_tokens` a request may ask for")
+    srv.add_argument("--max-body-size", default="4MiB", help="larger request bodies get 413")
+    srv.add_argument("--max-concurrent-streams", type=int, default=1024, help="per ingress replica; beyond it 429")
+    srv.add_argument("--drain-timeout", type=float, default=20.0, help="seconds in-flight requests get on shutdown")
     srv.add_argument("--route-prefix", default="/", help="HTTP route prefix of the application")
     _add_engine_args(srv)
     srv.set_defaults(func=_serve)

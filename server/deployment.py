@@ -23,7 +23,7 @@ from server.serve_config import ServeConfig
 from server.worker import Chunk, GenerateCall, ModelInfo, ModelWorker, PromptInfo
 
 logger = logging.getLogger(__name__)
-FORWARDED_ENV = ("ATTNSERVE_CACHE_DIR", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "HF_HOME")
+FORWARDED_ENV = ("ATTNSERVE_CACHE_DIR", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "HF_HOME", "ATTNSERVE_CHAOS")
 HUB_NAMESPACE = "attnserve"
 REPORT_PERIOD_S = 1.0
 
@@ -102,6 +102,15 @@ class ModelDeployment:
 
     async def stats(self) -> dict[str, int]:
         return self.worker.stats()
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def inject_step_failures(self, count: int) -> None:
+        """Chaos testing: the next `count` model steps raise. Refused unless ATTNSERVE_CHAOS=1."""
+        if os.environ.get("ATTNSERVE_CHAOS") != "1":
+            raise PermissionError("fault injection is disabled (set ATTNSERVE_CHAOS=1 on the replicas)")
+        self.worker.inject_step_failures(count)
 
     async def snapshot(self) -> dict:
         return self.worker.snapshot()
@@ -190,9 +199,10 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
         scaling = ({"autoscaling_config": cfg.autoscaling} if cfg.autoscaling else {"num_replicas": cfg.replicas(name)})
         models[name] = ModelDeployment.options(
             name=_deployment_name(name), max_ongoing_requests=cfg.max_ongoing_requests,
-            ray_actor_options=actor_options, **scaling,
+            ray_actor_options=actor_options, graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s, **scaling,
         ).bind(name, cfg.engine_config(source, threads))
-    return OpenAIIngress.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind(
+    return OpenAIIngress.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
+                                 graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s).bind(
         models, cfg.limits(), cfg.api_key)
 
 

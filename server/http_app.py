@@ -47,7 +47,10 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         limit, api_key = self.max_body_bytes, self.api_key
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if api_key and scope["path"].startswith(PROTECTED_PREFIXES):
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):  # under a route prefix (Serve), scope["path"] keeps it
+            path = path[len(root):]
+        if api_key and path.startswith(PROTECTED_PREFIXES):
             given = headers.get("authorization", "")
             token = given[7:] if given.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), api_key.encode()):  # constant-time

@@ -8,6 +8,7 @@ rendered here, for Prometheus (`render_prometheus`) and for the built-in dashboa
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 import time
 from collections import deque
@@ -157,12 +158,22 @@ class MetricsRecorder:
                 "kv_bytes_total": kv.num_blocks * spec.bytes_per_block,
                 "kv_bytes_used": kv.num_used_blocks * spec.bytes_per_block,
                 "requests_running": len(sch.running), "requests_waiting": len(sch.waiting),
+                "resident_memory_bytes": _rss_bytes(),
             },
             "static": {"kv_bytes_per_token": spec.bytes_per_token, "block_size": spec.block_size,
                        "max_model_len": engine.max_model_len},
             "histograms": hist,
             "recent": recent,
         }
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
 def _fresh(snapshots: list[dict], now: float) -> list[dict]:
@@ -198,6 +209,8 @@ class _SnapshotCollector:
             "requests_waiting": GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Requests queued for admission",
                                                   labels=labels),
             "replicas": GaugeMetricFamily(f"{PREFIX}_replicas", "Live replicas reporting", labels=labels),
+            "memory": GaugeMetricFamily(f"{PREFIX}_replica_resident_memory_bytes",
+                                        "Resident memory of the model replicas (summed)", labels=labels),
         }
         counters = {name: CounterMetricFamily(f"{PREFIX}_{name}", help_, labels=labels) for name, help_ in COUNTERS.items()}
         finished = CounterMetricFamily(f"{PREFIX}_requests", "Finished requests by reason", labels=labels + ["finish_reason"])
@@ -219,6 +232,7 @@ class _SnapshotCollector:
             g["requests_running"].add_metric(lv, gs("requests_running"))
             g["requests_waiting"].add_metric(lv, gs("requests_waiting"))
             g["replicas"].add_metric(lv, len(live))
+            g["memory"].add_metric(lv, gs("resident_memory_bytes"))
             for name, fam in counters.items():
                 fam.add_metric(lv, sum(s["counters"][name] for s in snaps))
             for field, fam in (("finish_reasons", finished), ("errors", errors)):

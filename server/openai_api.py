@@ -141,6 +141,9 @@ class OpenAIApi:
             for gen, _ in streams:
                 await _close(gen)
 
+    def _release_stream(self) -> None:
+        self.num_streams -= 1
+
     def _admit_stream(self) -> None:
         if self.num_streams >= self.limits.max_concurrent_streams:
             raise ApiError(429, "too many concurrent requests; retry later", type_="rate_limit_error",
@@ -216,14 +219,14 @@ class OpenAIApi:
         created, n = int(time.time()), body.n
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._stream(streams, rid, obj + (".chunk" if chat else ""), created, body.model, n, chat,
-                                include_usage)
+            return SSEStream(self._stream(streams, rid, obj + (".chunk" if chat else ""), created, body.model, n,
+                                          chat, include_usage), streams, self._release_stream)
         try:
             samples = [[_Sample() for _ in range(n)] for _ in streams]
             async for i, chunk in self._merge(streams):
                 _accumulate(samples[i][chunk.index], chunk)
         finally:
-            self.num_streams -= 1
+            self._release_stream()
         choices = []
         for i, group in enumerate(samples):
             for j, s in enumerate(group):
@@ -263,9 +266,34 @@ class OpenAIApi:
                 yield sse({**head, "choices": [], "usage": _usage([info for _, info in streams], samples)})
         except ApiError as e:
             yield sse(e.body())
-        finally:
-            self.num_streams -= 1
         yield sse("[DONE]")
+
+
+class SSEStream:
+    """The SSE body of one streaming response. Closing it, even before the first event, aborts
+    the generation and gives back its concurrent-stream slot (exactly once)."""
+
+    def __init__(self, events: AsyncIterator[str], engine_streams: list, release) -> None:
+        self.events, self.engine_streams, self._release = events, engine_streams, release
+
+    def __aiter__(self) -> SSEStream:
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            return await self.events.__anext__()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        release, self._release = self._release, None
+        if release is None:
+            return
+        await _close(self.events)
+        for gen, _ in self.engine_streams:  # no-ops when the events already closed them
+            await _close(gen)
+        release()
 
 
 # ---- formatting helpers (pure) -----------------------------------------------------------------

@@ -32,6 +32,7 @@ class ServeConfig:
     num_gpus: float = 0.0  # per model replica; > 0 runs the engine on CUDA
     threads: int | None = None  # torch threads per replica; None = round(num_cpus)
     api_key: str | None = None
+    graceful_shutdown_timeout_s: float = 20.0  # on shutdown, in-flight requests get this long to finish
     max_n: int = 16
     max_tokens: int = 8192
     max_prompts: int = 32

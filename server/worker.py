@@ -116,6 +116,18 @@ class ModelWorker:
     def is_healthy(self) -> bool:
         return self.async_engine.is_alive
 
+    def inject_step_failures(self, count: int) -> None:
+        """Make the next `count` model steps raise (chaos testing of the failure path)."""
+        runner, real = self.engine.runner, self.engine.runner.execute
+        remaining = [count]
+
+        def failing(batch):
+            if remaining[0] > 0:
+                remaining[0] -= 1
+                raise RuntimeError("injected model step failure")
+            return real(batch)
+        runner.execute = failing
+
     def snapshot(self) -> dict[str, Any]:
         """Metrics snapshot (cumulative counts + current gauges) for aggregation across replicas."""
         return self.metrics.snapshot(self.engine)
@@ -176,9 +188,12 @@ class ModelWorker:
         if call.fit_max_tokens:
             params = replace(params, max_tokens=max(1, min(params.max_tokens, self.info.max_model_len - len(ids))))
         try:
-            stream = self.async_engine.generate(ids, params, call.request_id)
+            stream = self.async_engine.generate(ids, params, call.request_id, coalesce=True)
         except InvalidRequestError:
             self.metrics.on_error("invalid_request")
+            raise
+        except QueueFullError:
+            self.metrics.on_error("queue_full")
             raise
         yield PromptInfo(len(ids))
         try:

@@ -9,6 +9,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from loadtests.servers import free_port  # noqa: E402
 from tests.tiny import ARCHS, make_checkpoint  # noqa: E402
 
 
@@ -34,14 +35,6 @@ def default_model_dir() -> Path:
 def _deterministic():
     torch.manual_seed(0)
     yield
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

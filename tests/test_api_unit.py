@@ -127,3 +127,38 @@ def test_tokenize_detokenize_roundtrip(app):
 
 def test_unknown_route_is_openai_shaped_404(app):
     assert_error(call(app, "GET", "/v1/nothing"), 404)
+
+
+def test_concurrent_stream_limit_is_429(tiny_checkpoints):
+    from server.openai_api import ApiError
+    from server.protocol import CompletionRequest
+
+    worker = ModelWorker("tiny", EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", num_blocks=64))
+    api = OpenAIApi({"tiny": LocalModelClient(worker)}, ApiLimits(max_concurrent_streams=1))
+
+    async def main():
+        body = CompletionRequest(model="tiny", prompt="0 1", max_tokens=50, stream=True, ignore_eos=True)
+        first = await api.completions(body)  # an open stream holds the only slot
+        with pytest.raises(ApiError) as e:
+            await api.completions(body)
+        assert e.value.status == 429 and e.value.headers == {"Retry-After": "1"}
+        await first.aclose()  # a client that goes away frees the slot
+        again = await api.completions(body)
+        chunks = [c async for c in again]
+        assert chunks[-1] == "data: [DONE]\n\n"
+    try:
+        asyncio.run(main())
+    finally:
+        worker.shutdown()
+
+
+def test_weights_are_never_loaded_with_remote_code_or_pickle():
+    """A static guard: no code path passes trust_remote_code=True or calls torch.load."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for package in ("models", "kvcache", "server"):
+        for path in (root / package).rglob("*.py"):
+            text = path.read_text()
+            assert "trust_remote_code=True" not in text, path
+            assert "torch.load(" not in text and "pickle.load" not in text, path

@@ -5,13 +5,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from loadtests.servers import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -21,19 +20,6 @@ pytestmark = pytest.mark.slow
 def readme_block(lang: str, must_contain: str) -> str:
     blocks = re.findall(rf"```{lang}\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
     return next(b for b in blocks if must_contain in b)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited early with {proc.returncode}"
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} never became healthy")
 
 
 def env() -> dict[str, str]:
@@ -49,7 +35,7 @@ def test_make_serve_answers_the_readme_snippets_and_stops_on_sigterm():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc)
+        wait_ready(url, proc, timeout=300)
         curl = readme_block("bash", "curl ").replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120, check=True).stdout
         assert "Paris" in out and '"finish_reason"' in out
@@ -74,7 +60,7 @@ def test_serve_run_deploy_serve_yaml(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc)
+        wait_ready(url, proc, timeout=300)
         r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
             "model": "default", "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import free_port
+from loadtests.servers import free_port
 
 MODELS = {"tiny-gqa": 2, "tiny-mha": 4, "tiny-mqa": 1}  # served name -> kv heads
 BLOCK_SIZE = 4

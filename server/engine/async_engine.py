@@ -11,11 +11,12 @@ import queue
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import AsyncIterator, Sequence
 
 import torch
 
-from server.engine.engine import LLMEngine
+from server.engine.engine import LLMEngine, QueueFullError
 from server.engine.request import RequestOutput
 from server.engine.sampling_params import SamplingParams
 
@@ -34,6 +35,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        self._adds_posted = 0  # written by the event loop only
+        self._adds_drained = 0  # written by the engine thread only
         self._thread = threading.Thread(target=self._run, name="attnserve-engine", daemon=True)
         self._thread.start()
 
@@ -42,28 +45,42 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stopped
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                 request_id: str | None = None, coalesce: bool = False) -> AsyncIterator[RequestOutput]:
         """Validate now (raising InvalidRequestError), then stream outputs as they come.
 
-        Closing the iterator early (client gone, task cancelled) aborts the request.
+        Closing the iterator early (client gone, task cancelled) aborts the request. With
+        `coalesce`, outputs that queued up while the consumer was busy arrive merged (one per
+        sample), so a slow consumer costs one message per read, not one per token.
         """
         if not self.is_alive:
             raise EngineDeadError("engine thread is not running")
         self.engine.validate(prompt_token_ids, params)
-        return self._stream(request_id or uuid.uuid4().hex, list(prompt_token_ids), params)
+        limit = self.engine.config.max_waiting
+        # NOTE: checked here, before any byte is streamed, so an overloaded server answers 429;
+        # the count is racy by a request or two, which a bound on memory tolerates.
+        pending = self._adds_posted - self._adds_drained
+        if limit is not None and len(self.engine.scheduler.waiting) + pending >= limit:
+            raise QueueFullError(f"waiting queue is full ({limit} requests); retry later")
+        return self._stream(request_id or uuid.uuid4().hex, list(prompt_token_ids), params, coalesce)
 
-    async def _stream(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      coalesce: bool) -> AsyncIterator[RequestOutput]:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._adds_posted += 1
         self._post(("add", request_id, prompt, params, time.monotonic()))
         remaining, done = params.n, False
         try:
             while remaining:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                remaining -= item.finished
-                yield item
+                items = [await q.get()]
+                while coalesce and not q.empty():
+                    items.append(q.get_nowait())
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                for item in merge_outputs(items) if coalesce else items:
+                    remaining -= item.finished
+                    yield item
             done = True
         finally:
             self._streams.pop(request_id, None)
@@ -114,6 +131,7 @@ class AsyncEngine:
                 self._dispatch(self.engine.abort(command[1]))
                 continue
             _, request_id, prompt, params, arrival = command
+            self._adds_drained += 1
             if request_id not in self._streams:  # cancelled before it was admitted
                 continue
             try:
@@ -137,6 +155,17 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # that event loop is closed
                 pass
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Consecutive outputs of the same sample folded into one (tokens, text, logprobs joined)."""
+    merged: dict[int, RequestOutput] = {}
+    for out in outputs:
+        prev = merged.get(out.index)
+        merged[out.index] = out if prev is None else replace(
+            out, new_token_ids=prev.new_token_ids + out.new_token_ids, new_text=prev.new_text + out.new_text,
+            new_logprobs=prev.new_logprobs + out.new_logprobs)
+    return list(merged.values())
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
