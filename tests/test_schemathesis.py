@@ -15,7 +15,7 @@ def test_no_5xx_and_every_4xx_is_openai_shaped(serve_url):
 
     def check(case) -> None:
         response = case.call(timeout=120)
-        statuses.setdefault(case.operation.label, Counter())[response.status_code // 100 * 100] += 1
+        statuses.setdefault(case.operation.label, Counter())[response.status_code] += 1
         assert response.status_code < 500, (response.status_code, response.text[:500], case.as_curl_command())
         if 400 <= response.status_code < 500:
             body = response.json()
@@ -33,4 +33,5 @@ def test_no_5xx_and_every_4xx_is_openai_shaped(serve_url):
     print({op: dict(c) for op, c in statuses.items()})
     total = sum(sum(c.values()) for c in statuses.values())
     assert total > 300, statuses  # many examples really went over HTTP
-    assert statuses["POST /v1/completions"][400] > 0 and statuses["POST /v1/chat/completions"][400] > 0
+    for op in ("POST /v1/completions", "POST /v1/chat/completions"):  # both validation and routing errors seen
+        assert statuses[op][400] > 0 and statuses[op][404] > 0, statuses[op]
