@@ -175,12 +175,14 @@ def _drain(app_name: str, timeout: float) -> int:
         hub = ray.get_actor(f"attnserve-metrics-{app_name}", namespace=HUB_NAMESPACE)
     except ValueError:
         return 0
-    deadline, left = time.monotonic() + timeout, 0
+    started, deadline = time.time(), time.monotonic() + timeout
     while True:
         now = time.time()
         snaps = [s for s in ray.get(hub.collect.remote()) if now - s["time"] <= STALE_AFTER_S]
         left = sum(s["gauges"]["requests_running"] + s["gauges"]["requests_waiting"] for s in snaps)
-        if left == 0 or time.monotonic() > deadline:
+        # NOTE: only reports taken after the signal count: an older one may predate the last requests
+        if (left == 0 and all(s["time"] > started for s in snaps)) or time.monotonic() > deadline:
+            time.sleep(1.0)  # let the last tokens cross ingress and proxy before they are stopped
             return left
         time.sleep(0.5)
 

@@ -27,8 +27,9 @@ def env() -> dict[str, str]:
 
 
 def test_make_serve_answers_the_readme_snippets_and_stops_on_sigterm():
-    dry = subprocess.run(["make", "-n", "serve"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    command = dry.strip().splitlines()[-1].split()
+    dry = subprocess.run(["make", "--no-print-directory", "-n", "serve"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    command = next(line for line in dry.splitlines() if "/bin/attnserve " in line).split()
     assert command[-1] == "serve" and command[0].endswith("/bin/attnserve")
     port = free_port()
     proc = subprocess.Popen([str(BIN / "attnserve"), "serve", "--port", str(port)], cwd=ROOT, env=env(),
