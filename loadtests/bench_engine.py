@@ -81,11 +81,24 @@ def bench_attnserve(args, prompts) -> dict:
         r = engine.generate([prompts[0][:128]], SamplingParams(max_tokens=min(args.max_tokens, 128), temperature=0, ignore_eos=True))[0][0]
         decode_time = r.stats.last_token_time - r.stats.first_token_time
         b1.append((len(r.token_ids) - 1) / decode_time if decode_time > 0 else float("nan"))
+    if args.profile:
+        profile_batch1(engine, prompts[0][:128], min(args.max_tokens, 128))
     bw = copy_bandwidth()
     wbytes = streamed_weight_bytes(engine.model)
     return {"output_tokens_per_s": statistics.median(runs), "ttft_p50_s": statistics.median(ttfts),
             "batch1_tokens_per_s": statistics.median(b1), "roofline_tokens_per_s": bw / wbytes,
             "weight_bytes": wbytes, "copy_bandwidth_gb_s": bw / 1e9, "runs_tokens_per_s": runs}
+
+
+def profile_batch1(engine: LLMEngine, prompt: list[int], max_tokens: int) -> None:
+    """Where a batch-1 decode's time goes, by operator (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.kv.pool.reset_prefix_cache()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    print(f"\nbatch-1 profile, {max_tokens} tokens:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 def _hf_model(args):
@@ -156,6 +169,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--repeats", type=int, default=1, help="runs per system; medians are reported")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of a batch-1 decode")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -7,7 +7,7 @@ from loadtests.bench_engine import main
 def test_bench_engine_quick_run(tiny_checkpoints, tmp_path, capsys):
     out = tmp_path / "bench.json"
     main(["--model", str(tiny_checkpoints["llama"]), "--dtype", "float32", "--num-requests", "4", "--max-tokens", "6",
-          "--min-prompt", "4", "--max-prompt", "40", "--threads", "1", "--json", str(out)])
+          "--min-prompt", "4", "--max-prompt", "40", "--threads", "1", "--profile", "--json", str(out)])
     data = json.loads(out.read_text())
     assert set(data) == {"attnserve", "hf_generate", "hf_generate_batch"}
     for name, row in data.items():
@@ -16,3 +16,4 @@ def test_bench_engine_quick_run(tiny_checkpoints, tmp_path, capsys):
     assert ours["batch1_tokens_per_s"] > 0 and ours["roofline_tokens_per_s"] > 0
     table = capsys.readouterr().out
     assert "hf_generate_batch" in table and "of the roofline" in table
+    assert "batch-1 profile" in table and "Self CPU time total" in table
