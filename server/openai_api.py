@@ -25,6 +25,9 @@ class ModelClient(Protocol):
     async def decode(self, token_ids: list[int]) -> str: ...
 
 
+HEALTH_TIMEOUT_S = 2.0
+
+
 @dataclass(frozen=True)
 class ApiLimits:
     max_n: int = 16
@@ -162,7 +165,9 @@ class OpenAIApi:
     async def health(self) -> dict[str, bool]:
         async def one(client: ModelClient) -> bool:
             try:
-                return bool(await asyncio.wait_for(client.health(), timeout=5))
+                # NOTE: with no live replica a Serve handle waits for one to come back; a probe
+                # needs "unhealthy" now, well inside a typical 5 s probe timeout
+                return bool(await asyncio.wait_for(client.health(), timeout=HEALTH_TIMEOUT_S))
             except Exception:  # noqa: BLE001 - any failure means unhealthy
                 return False
         results = await asyncio.gather(*(one(c) for c in self.clients.values()))
