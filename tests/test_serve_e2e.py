@@ -102,7 +102,8 @@ def test_greedy_http_equals_attnserve_generate(client, tiny_variants, tmp_path):
 
 def test_16_concurrent_streams_arrive_incrementally(serve_url):
     async def one(c: httpx.AsyncClient, i: int):
-        body = {"model": "tiny-mha", "prompt": f"{i} 1 2 3", "max_tokens": 40, "temperature": 0, "stream": True,
+        # NOTE: long enough that decoding outlasts the shared prefill even on a loaded machine
+        body = {"model": "tiny-mha", "prompt": f"{i} 1 2 3", "max_tokens": 120, "temperature": 0, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
         start, times, text, usage = time.monotonic(), [], "", None
         async with c.stream("POST", f"{serve_url}/v1/completions", json=body) as r:
@@ -121,9 +122,9 @@ def test_16_concurrent_streams_arrive_incrementally(serve_url):
             return await asyncio.gather(*(one(c, i) for i in range(16)))
     results = asyncio.run(main())
     for times, text, usage in results:
-        assert usage["completion_tokens"] == 40 and text
+        assert usage["completion_tokens"] == 120 and text
         # one event per token, or fewer when the server coalesces tokens that queued up under load
-        assert 5 <= len(times) <= 40
+        assert 5 <= len(times) <= 120
         assert times[0] < 0.5 * times[-1]  # the first token arrived well before the last
 
 
