@@ -96,7 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from kvcache.storage import parse_size
-    from server.deployment import build_app, required_cpus
+    from server.deployment import HUB_NAMESPACE, build_app, hub_name, required_cpus
     from server.serve_config import ServeConfig
 
     autoscaling = None
@@ -152,7 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
     if joined:  # leave the cluster as we found it: our application and its metrics hub go
         serve.delete(args.app_name)
         with contextlib.suppress(ValueError):
-            ray.kill(ray.get_actor(f"attnserve-metrics-{args.app_name}", namespace="attnserve"))
+            ray.kill(ray.get_actor(hub_name(args.app_name), namespace=HUB_NAMESPACE))
     else:
         serve.shutdown()
     ray.shutdown()
@@ -168,17 +168,16 @@ def _drain(app_name: str, timeout: float) -> int:
 
     import ray
 
-    from server.deployment import HUB_NAMESPACE
-    from server.metrics import STALE_AFTER_S
+    from server.deployment import HUB_NAMESPACE, hub_name
+    from server.metrics import fresh
 
     try:
-        hub = ray.get_actor(f"attnserve-metrics-{app_name}", namespace=HUB_NAMESPACE)
+        hub = ray.get_actor(hub_name(app_name), namespace=HUB_NAMESPACE)
     except ValueError:
         return 0
     started, deadline = time.time(), time.monotonic() + timeout
     while True:
-        now = time.time()
-        snaps = [s for s in ray.get(hub.collect.remote()) if now - s["time"] <= STALE_AFTER_S]
+        snaps = fresh(ray.get(hub.collect.remote()), time.time())
         left = sum(s["gauges"]["requests_running"] + s["gauges"]["requests_waiting"] for s in snaps)
         # NOTE: only reports taken after the signal count: an older one may predate the last requests
         if (left == 0 and all(s["time"] > started for s in snaps)) or time.monotonic() > deadline:

@@ -44,9 +44,13 @@ class MetricsHub:
         return list(self.snapshots.values())
 
 
+def hub_name(app_name: str) -> str:
+    return f"attnserve-metrics-{app_name}"
+
+
 def metrics_hub(app_name: str):
     """The application's hub actor, created by whichever replica asks first."""
-    return MetricsHub.options(name=f"attnserve-metrics-{app_name}", namespace=HUB_NAMESPACE, lifetime="detached",
+    return MetricsHub.options(name=hub_name(app_name), namespace=HUB_NAMESPACE, lifetime="detached",
                               get_if_exists=True).remote()
 
 
@@ -112,9 +116,6 @@ class ModelDeployment:
             raise PermissionError("fault injection is disabled (set ATTNSERVE_CHAOS=1 on the replicas)")
         self.worker.inject_step_failures(count)
 
-    async def snapshot(self) -> dict:
-        return self.worker.snapshot()
-
     async def decode(self, token_ids: list[int]) -> str:
         return self.worker.decode(token_ids)
 
@@ -178,8 +179,6 @@ def _deployment_name(model: str) -> str:
 
 
 def _cluster_cpus() -> float | None:
-    import ray
-
     return ray.cluster_resources().get("CPU") if ray.is_initialized() else None
 
 

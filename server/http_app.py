@@ -92,6 +92,8 @@ def create_app(api: OpenAIApi, api_key: str | None = None,
                snapshots: Callable[[], Awaitable[list[dict]]] | None = None) -> FastAPI:
     """`snapshots` returns every replica's metrics snapshot (see server/metrics.py)."""
     app = FastAPI(title="attnserve", version="0.1.0", description="OpenAI-compatible text generation")
+    page, uplot_js, uplot_css = ((STATIC / name).read_bytes() for name in
+                                 ("dashboard.html", "uplot/uPlot.iife.min.js", "uplot/uPlot.min.css"))
     app.add_middleware(GuardMiddleware, max_body_bytes=api.limits.max_body_bytes, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
@@ -136,19 +138,19 @@ def create_app(api: OpenAIApi, api_key: str | None = None,
 
     @app.get("/dashboard")
     async def dashboard() -> Response:
-        return Response((STATIC / "dashboard.html").read_bytes(), media_type="text/html")
+        return Response(page, media_type="text/html")
 
     @app.get("/dashboard/data")
     async def dashboard_json() -> JSONResponse:
         return JSONResponse(dashboard_data(await all_snapshots()))
 
     @app.get("/dashboard/uplot.js")
-    async def uplot_js() -> Response:
-        return Response((STATIC / "uplot" / "uPlot.iife.min.js").read_bytes(), media_type="text/javascript")
+    async def dashboard_js() -> Response:
+        return Response(uplot_js, media_type="text/javascript")
 
     @app.get("/dashboard/uplot.css")
-    async def uplot_css() -> Response:
-        return Response((STATIC / "uplot" / "uPlot.min.css").read_bytes(), media_type="text/css")
+    async def dashboard_css() -> Response:
+        return Response(uplot_css, media_type="text/css")
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

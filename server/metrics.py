@@ -176,7 +176,8 @@ def _rss_bytes() -> int:
         return 0
 
 
-def _fresh(snapshots: list[dict], now: float) -> list[dict]:
+def fresh(snapshots: list[dict], now: float) -> list[dict]:
+    """Snapshots of replicas still reporting."""
     return [s for s in snapshots if now - s["time"] <= STALE_AFTER_S]
 
 
@@ -220,7 +221,7 @@ class _SnapshotCollector:
                  for name, (help_, _, by_len) in HISTOGRAMS.items()}
         for key, snaps in groups.items():
             lv = list(key)
-            live = _fresh(snaps, self.now)
+            live = fresh(snaps, self.now)
             gs = lambda k: sum(s["gauges"][k] for s in live)  # noqa: E731
             for state, k in (("total", "kv_blocks_total"), ("used", "kv_blocks_used"), ("cached_free", "kv_blocks_cached_free")):
                 g["kv_blocks"].add_metric(lv + [state], gs(k))
@@ -283,7 +284,7 @@ def dashboard_data(snapshots: list[dict], now: float | None = None) -> dict[str,
     now = time.time() if now is None else now
     models = []
     for (model, attention, kv_heads), snaps in sorted(_by_model(snapshots).items()):
-        live = _fresh(snaps, now)
+        live = fresh(snaps, now)
         static = snaps[0]["static"]
         recent = sorted((r for s in snaps for r in s["recent"]), key=lambda r: r[0])[-2000:]
         models.append({

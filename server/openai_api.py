@@ -151,6 +151,7 @@ class OpenAIApi:
         if self.num_streams >= self.limits.max_concurrent_streams:
             raise ApiError(429, "too many concurrent requests; retry later", type_="rate_limit_error",
                            code="too_many_requests", headers={"Retry-After": "1"})
+        self.num_streams += 1
 
     # ---- endpoints -------------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
@@ -215,11 +216,10 @@ class OpenAIApi:
 
     async def _run(self, client, calls, body, rid: str, obj: str, chat: bool) -> dict[str, Any] | AsyncIterator[str]:
         self._admit_stream()
-        self.num_streams += 1
         try:
             streams = await self._start(client, calls)
         except BaseException:
-            self.num_streams -= 1
+            self._release_stream()
             raise
         created, n = int(time.time()), body.n
         if body.stream:
@@ -235,7 +235,7 @@ class OpenAIApi:
         choices = []
         for i, group in enumerate(samples):
             for j, s in enumerate(group):
-                choice: dict[str, Any] = {"index": i * n + j, "finish_reason": _finish(s.finish_reason)}
+                choice: dict[str, Any] = {"index": i * n + j, "finish_reason": s.finish_reason}
                 if chat:
                     choice["message"] = {"role": "assistant", "content": s.text}
                     choice["logprobs"] = _chat_logprobs(s.logprobs) if s.logprobs is not None else None
@@ -259,7 +259,7 @@ class OpenAIApi:
                 if chunk.error:
                     yield sse(error_body(chunk.error, "server_error", code=500))
                     continue
-                choice: dict[str, Any] = {"index": i * n + chunk.index, "finish_reason": _finish(chunk.finish_reason)}
+                choice: dict[str, Any] = {"index": i * n + chunk.index, "finish_reason": chunk.finish_reason}
                 if chat:
                     choice["delta"] = {"content": chunk.text} if chunk.text else {}
                     choice["logprobs"] = _chat_logprobs(chunk.logprobs) if chunk.logprobs else None
@@ -302,10 +302,6 @@ class SSEStream:
 
 
 # ---- formatting helpers (pure) -----------------------------------------------------------------
-def _finish(reason: str | None) -> str | None:
-    return {"abort": "abort", "error": "error"}.get(reason, reason)
-
-
 def _accumulate(s: _Sample, chunk: Chunk) -> None:
     s.text += chunk.text
     if chunk.logprobs:

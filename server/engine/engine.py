@@ -111,7 +111,7 @@ class LLMEngine:
         group = [
             Request(
                 request_id if params.n == 1 else f"{request_id}#{i}", list(prompt_token_ids), params,
-                self.eos_token_ids, self._detokenizer(prompt_token_ids, params), index=i,
+                self._detokenizer(prompt_token_ids, params), index=i,
                 group_id=request_id, arrival_time=arrival,
             )
             for i in range(params.n)
@@ -146,7 +146,7 @@ class LLMEngine:
         except Exception as e:  # a failed step fails its requests, never the engine
             logger.exception("model step failed")
             self.num_step_errors += 1
-            return [self._fail(s.request, f"{type(e).__name__}: {e}") for s in out.seqs]
+            return [self._final(s.request, "error", (), error=f"{type(e).__name__}: {e}") for s in out.seqs]
         self.scheduler.advance(out)
         now = time.monotonic()
         samplers = [s.request for s in out.seqs if s.samples]
@@ -168,10 +168,10 @@ class LLMEngine:
         if reason is None:
             text = req.detokenizer.flush(False) if req.detokenizer else ""
             return RequestOutput(req.group_id, req.index, (token,), text, False, None, lps)
-        self.scheduler.finish(req, reason)
         return self._final(req, reason, (token,), lps)
 
     def _final(self, req: Request, reason: str, tokens: tuple[int, ...], lps: tuple = (), error: str | None = None) -> RequestOutput:
+        """Finish `req` (freeing its blocks) and build its last output."""
         if req.status != RequestStatus.FINISHED:
             self.scheduler.finish(req, reason)
         text = req.detokenizer.flush(True) if req.detokenizer else ""
@@ -184,10 +184,6 @@ class LLMEngine:
             except Exception:  # accounting must never take a request (or the engine) down
                 logger.exception("on_finished hook failed")
         return RequestOutput(req.group_id, req.index, tokens, text, True, reason, lps, req.stats, error)
-
-    def _fail(self, req: Request, message: str) -> RequestOutput:
-        self.scheduler.finish(req, "error")
-        return self._final(req, "error", (), error=message)
 
     # ---- offline helper --------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[list[CompletionResult]]:

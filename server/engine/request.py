@@ -77,14 +77,13 @@ class RequestOutput:
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: frozenset[int], detokenizer: IncrementalDetokenizer | None,
+                 detokenizer: IncrementalDetokenizer | None,
                  index: int = 0, group_id: str | None = None, arrival_time: float | None = None) -> None:
         self.request_id = request_id
         self.group_id = group_id or request_id
         self.index = index
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
-        self.eos_token_ids = eos_token_ids
         self.detokenizer = detokenizer
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
