@@ -22,6 +22,7 @@ import httpx  # noqa: E402
 
 from loadtests.run_loadtest import run_locust, summarize  # noqa: E402
 from loadtests.servers import BIN, ROOT, attnserve_cmd, free_port, running  # noqa: E402
+from loadtests.workload import DEFAULT_WORKLOAD, ensure  # noqa: E402
 from models.registry import resolve_model  # noqa: E402
 
 SYSTEMS = ("attnserve", "transformers_serve_cb", "transformers_serve")
@@ -55,17 +56,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--users", type=int, default=16)
     ap.add_argument("--spawn-rate", type=float, default=4)
     ap.add_argument("--duration", default="2m")
-    ap.add_argument("--workload", default=str(ROOT / "loadtests" / "out" / "workload.jsonl"))
+    ap.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--out", default=str(ROOT / "loadtests" / "out" / "compare"))
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     model_dir = resolve_model(args.model)
-    workload = Path(args.workload)
-    if not workload.exists():
-        from loadtests.workload import main as build_workload
-
-        build_workload(["--out", str(workload)])
+    workload = ensure(Path(args.workload))
     results = {}
     for system in args.systems.split(","):
         port = free_port()

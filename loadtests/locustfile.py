@@ -23,6 +23,8 @@ from locust import HttpUser, between, task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from loadtests.workload import DEFAULT_WORKLOAD, ensure  # noqa: E402
+
 _LOCK = threading.Lock()
 _WORKLOAD: dict[str, list[dict]] = {}
 
@@ -30,11 +32,7 @@ _WORKLOAD: dict[str, list[dict]] = {}
 def workload() -> dict[str, list[dict]]:
     with _LOCK:
         if not _WORKLOAD:
-            path = Path(os.environ.get("ATTNSERVE_WORKLOAD", "loadtests/out/workload.jsonl"))
-            if not path.exists():
-                from loadtests.workload import main as build_workload
-
-                build_workload(["--out", str(path)])
+            path = ensure(Path(os.environ.get("ATTNSERVE_WORKLOAD", DEFAULT_WORKLOAD)))
             for line in path.read_text().splitlines():
                 record = json.loads(line)
                 _WORKLOAD.setdefault(record["kind"], []).append(record)
@@ -104,13 +102,18 @@ class _OpenAIUser(HttpUser):
         fire(self.environment, "TOKENS", name, 0.0, usage_tokens if usage_tokens is not None else tokens)
 
 
-class ChatStreamUser(_OpenAIUser):
-    """Streaming chat with workload prompts of lognormal length."""
+class _StreamingChatUser(_OpenAIUser):
+    abstract = True
+    request_name = "chat-stream"  # formatted with the model: one stats row per name
 
     @task
     def chat(self) -> None:
         model, record = self.pick()
-        self.stream_chat(model, record, "chat-stream")
+        self.stream_chat(model, record, self.request_name.format(model=model))
+
+
+class ChatStreamUser(_StreamingChatUser):
+    """Streaming chat with workload prompts of lognormal length."""
 
 
 class CompletionUser(_OpenAIUser):
@@ -129,33 +132,22 @@ class CompletionUser(_OpenAIUser):
             resp.success()
 
 
-class SharedPrefixUser(_OpenAIUser):
+class SharedPrefixUser(_StreamingChatUser):
     """One long system passage shared by every request: the prefix cache should serve it."""
 
     kind = "shared_prefix"
-
-    @task
-    def chat(self) -> None:
-        model, record = self.pick()
-        self.stream_chat(model, record, "shared-prefix")
+    request_name = "shared-prefix"
 
 
-class LongPromptUser(_OpenAIUser):
+class LongPromptUser(_StreamingChatUser):
     """Prompts of 1,000-3,000 words: prefill-heavy, chunked."""
 
     kind = "long"
     max_tokens_cap = 32
-
-    @task
-    def chat(self) -> None:
-        model, record = self.pick()
-        self.stream_chat(model, record, "long-prompt")
+    request_name = "long-prompt"
 
 
-class MixedModelUser(_OpenAIUser):
+class MixedModelUser(_StreamingChatUser):
     """Round-robin over ATTNSERVE_MODELS (e.g. the MHA, GQA and MQA forms of one model)."""
 
-    @task
-    def chat(self) -> None:
-        model, record = self.pick()
-        self.stream_chat(model, record, f"mixed:{model}")
+    request_name = "mixed:{model}"

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from loadtests.servers import BIN, ROOT, attnserve_cmd, free_port, running  # noqa: E402
+from loadtests.workload import DEFAULT_WORKLOAD, ensure  # noqa: E402
 
 SCENARIOS = {"chat": ["ChatStreamUser"], "completion": ["CompletionUser"], "shared": ["SharedPrefixUser"],
              "long": ["LongPromptUser"], "mixed": ["MixedModelUser"],
@@ -171,11 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--serve-args", default="", help="extra args for `attnserve serve` when it is started here")
     args = ap.parse_args(argv)
     out = Path(args.out or ROOT / "loadtests" / "out" / time.strftime("run-%Y%m%d-%H%M%S"))
-    workload = Path(args.workload or ROOT / "loadtests" / "out" / "workload.jsonl")
-    if not workload.exists():
-        from loadtests.workload import main as build_workload
-
-        build_workload(["--out", str(workload)])
+    workload = ensure(Path(args.workload) if args.workload else DEFAULT_WORKLOAD)
     served = DEFAULT_SERVE if args.scenario in ("mixed", "all") else {"default": "default"}
     models = args.models.split(",") if args.models else list(served)
     with contextlib.ExitStack() as stack:

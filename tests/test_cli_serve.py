@@ -5,15 +5,12 @@ import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
-from loadtests.servers import free_port, wait_ready
+from loadtests.servers import BIN, ROOT, free_port, running, wait_ready
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
 
 
@@ -57,19 +54,10 @@ def test_serve_run_deploy_serve_yaml(tmp_path):
     port = free_port()
     config = (ROOT / "deploy" / "serve.yaml").read_text().replace("port: 8000", f"port: {port}")
     (tmp_path / "serve.yaml").write_text(config)
-    proc = subprocess.Popen([str(BIN / "serve"), "run", str(tmp_path / "serve.yaml")], cwd=ROOT, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc, timeout=300)
+    cmd = [str(BIN / "serve"), "run", str(tmp_path / "serve.yaml")]
+    with running(cmd, f"http://127.0.0.1:{port}", tmp_path / "serve.log", env=env(), stop_signal=signal.SIGINT,
+                 timeout=300) as url:
         r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
             "model": "default", "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
