@@ -97,6 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from kvcache.storage import parse_size
     from server.deployment import HUB_NAMESPACE, build_app, hub_name, required_cpus
+    from server.openai_api import ApiLimits
     from server.serve_config import ServeConfig
 
     autoscaling = None
@@ -109,9 +110,11 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, max_waiting=args.max_waiting, num_replicas=args.replicas,
         autoscaling=autoscaling, max_ongoing_requests=args.max_ongoing_requests, num_cpus=args.num_cpus,
-        num_gpus=args.num_gpus, threads=args.threads, api_key=args.api_key, max_n=args.max_n,
-        max_tokens=args.max_tokens_limit, max_body_bytes=parse_size(args.max_body_size),
-        max_concurrent_streams=args.max_concurrent_streams, graceful_shutdown_timeout_s=args.drain_timeout,
+        num_gpus=args.num_gpus, threads=args.threads, api_key=args.api_key,
+        graceful_shutdown_timeout_s=args.drain_timeout,
+        limits=ApiLimits(max_n=args.max_n, max_tokens=args.max_tokens_limit,
+                         max_body_bytes=parse_size(args.max_body_size),
+                         max_concurrent_streams=args.max_concurrent_streams),
     )
     joined = args.address is not None
     if joined:

@@ -202,7 +202,7 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
         ).bind(name, cfg.engine_config(source, threads))
     return OpenAIIngress.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
                                  graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s).bind(
-        models, cfg.limits(), cfg.api_key)
+        models, cfg.limits, cfg.api_key)
 
 
 def required_cpus(cfg: ServeConfig, cluster_cpus: float | None) -> float:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from server.engine.config import EngineConfig
@@ -33,11 +33,7 @@ class ServeConfig:
     threads: int | None = None  # torch threads per replica; None = round(num_cpus)
     api_key: str | None = None
     graceful_shutdown_timeout_s: float = 20.0  # on shutdown, in-flight requests get this long to finish
-    max_n: int = 16
-    max_tokens: int = 8192
-    max_prompts: int = 32
-    max_body_bytes: int = 4 * 2**20
-    max_concurrent_streams: int = 1024
+    limits: ApiLimits = field(default_factory=ApiLimits)  # serve.yaml: a mapping of ApiLimits fields
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -56,7 +52,6 @@ class ServeConfig:
         if self.autoscaling is not None and not {"min_replicas", "max_replicas"} <= set(self.autoscaling):
             raise ValueError("autoscaling needs min_replicas and max_replicas")
         self.engine_config("default")  # validates the engine fields now
-        self.limits()
         if self.api_key is None and os.environ.get("ATTNSERVE_API_KEY"):
             object.__setattr__(self, "api_key", os.environ["ATTNSERVE_API_KEY"])
 
@@ -67,6 +62,8 @@ class ServeConfig:
         unknown = set(args) - known
         if unknown:
             raise ValueError(f"unknown serve arguments: {sorted(unknown)}; known: {sorted(known)}")
+        if isinstance(args.get("limits"), dict):
+            args["limits"] = ApiLimits(**args["limits"])
         return cls(**args)
 
     def engine_config(self, model: str, threads: int | None = None) -> EngineConfig:
@@ -77,9 +74,6 @@ class ServeConfig:
             num_threads=threads, enable_prefix_caching=self.enable_prefix_caching,
             device="cuda" if self.num_gpus > 0 else "cpu",
         )
-
-    def limits(self) -> ApiLimits:
-        return ApiLimits(self.max_n, self.max_tokens, self.max_prompts, self.max_body_bytes, self.max_concurrent_streams)
 
     def replicas(self, model: str) -> int:
         """Replicas a model starts with."""
@@ -99,6 +93,3 @@ class ServeConfig:
             return 1.0
         share = cluster_cpus / self.total_replicas
         return max(0.05, min(share, 4.0) // 0.05 * 0.05)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)

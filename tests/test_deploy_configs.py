@@ -1,6 +1,7 @@
 """deploy/: serve.yaml builds our application; the KubeRay RayServices embed the same Serve config."""
 from pathlib import Path
 
+import pytest
 import yaml
 
 from server.serve_config import ServeConfig
@@ -17,6 +18,10 @@ def test_serve_yaml_args_are_a_valid_serve_config():
     assert app["import_path"] == "server.deployment:build_app"
     cfg = ServeConfig.from_args(app["args"])
     assert cfg.models == {"default": "default"} and cfg.max_ongoing_requests > 5
+    limited = ServeConfig.from_args({**app["args"], "limits": {"max_n": 2, "max_tokens": 512}})
+    assert (limited.limits.max_n, limited.limits.max_tokens, limited.limits.max_prompts) == (2, 512, 32)
+    with pytest.raises(ValueError, match="API limits must be positive"):
+        ServeConfig.from_args({"limits": {"max_n": 0}})
 
 
 def test_rayservice_embeds_serve_yaml_application():

@@ -24,13 +24,14 @@ def chaos_url(serve_url, tiny_variants):
     from ray import serve
 
     from server.deployment import build_app
+    from server.openai_api import ApiLimits
     from server.serve_config import ServeConfig
 
     os.environ["ATTNSERVE_CHAOS"] = "1"  # forwarded to the replicas of apps built from now on
     cfg = ServeConfig(models={"chaos": str(tiny_variants["tiny-gqa"])}, dtype="float32", block_size=4,
                       kv_cache_memory=None, num_blocks=48, max_model_len=160, max_num_batched_tokens=64,
                       max_num_seqs=8, max_waiting=16, num_cpus=0.25, threads=1, api_key=CHAOS_KEY,
-                      max_tokens=100)
+                      limits=ApiLimits(max_tokens=100))
     serve.run(build_app(cfg), name=CHAOS_APP, route_prefix="/chaos")
     yield f"{serve_url}/chaos"
     serve.delete(CHAOS_APP)
