@@ -44,10 +44,6 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return self.pool.num_used_blocks
 
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
-
     def _hashes(self, request_id: str, token_ids: Sequence[int], num_full_blocks: int) -> list[BlockHash]:
         hashes = self.req_hashes.setdefault(request_id, [])
         bs = self.block_size

@@ -17,18 +17,12 @@ from server.metrics import MetricsRecorder
 
 @dataclass(frozen=True)
 class ModelInfo:
-    name: str
+    """What the API layer needs to know of a model (/v1/models, context checks)."""
+
     max_model_len: int
-    architecture: str
     attention: str  # mha | gqa | mqa
-    num_heads: int
     num_kv_heads: int
-    num_layers: int
-    head_dim: int
     kv_bytes_per_token: int
-    kv_block_size: int
-    kv_num_blocks: int
-    dtype: str
 
 
 @dataclass(frozen=True)
@@ -105,12 +99,8 @@ class ModelWorker:
                                        self.engine.kv.num_blocks)
         self.engine.on_finished = self.metrics.on_finished
         self.async_engine = AsyncEngine(self.engine, config.num_threads)
-        self.info = ModelInfo(
-            name=name, max_model_len=self.engine.max_model_len, architecture=cfg.architecture,
-            attention=cfg.attention_kind, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-            num_layers=cfg.num_layers, head_dim=cfg.head_dim, kv_bytes_per_token=self.engine.kv_spec.bytes_per_token,
-            kv_block_size=config.block_size, kv_num_blocks=self.engine.kv.num_blocks, dtype=config.dtype,
-        )
+        self.info = ModelInfo(self.engine.max_model_len, cfg.attention_kind, cfg.num_kv_heads,
+                              self.engine.kv_spec.bytes_per_token)
 
     @property
     def is_healthy(self) -> bool:

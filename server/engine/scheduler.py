@@ -32,11 +32,6 @@ class ScheduledSeq:
 class SchedulerOutput:
     seqs: tuple[ScheduledSeq, ...]  # single-token seqs first
     num_decodes: int
-    preempted: tuple[Request, ...]
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
 
     @property
     def is_empty(self) -> bool:
@@ -57,10 +52,6 @@ class Scheduler:
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0
         self.num_partial_prefills = 0  # prefill chunks that stopped short of the prompt's end
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + sum(len(v) for v in self.held.values())
 
     def add(self, requests: list[Request]) -> None:
         """Queue a group: the first sample now, its siblings once its prompt is cached."""
@@ -113,7 +104,7 @@ class Scheduler:
         # decodes first, longest first (attention groups decodes of similar length), then prefills
         seqs.sort(key=lambda s: (s.num_new_tokens > 1, -s.num_computed_tokens if s.num_new_tokens == 1 else 0))
         self.num_partial_prefills += sum(not s.samples for s in seqs)
-        return SchedulerOutput(tuple(seqs), sum(s.num_new_tokens == 1 for s in seqs), tuple(preempted))
+        return SchedulerOutput(tuple(seqs), sum(s.num_new_tokens == 1 for s in seqs))
 
     def _track_peak(self, req: Request) -> None:
         blocks = self.kv.num_request_blocks(req.request_id)
