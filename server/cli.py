@@ -61,6 +61,7 @@ def _generate(args: argparse.Namespace) -> int:
         model=args.model, dtype=args.dtype, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
     ))
     prompts = _read_prompts(args, engine.tokenizer)
     params = [SamplingParams(max_tokens=m, temperature=args.temperature, seed=args.seed, top_p=args.top_p,
@@ -110,7 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, max_waiting=args.max_waiting, num_replicas=args.replicas,
         autoscaling=autoscaling, max_ongoing_requests=args.max_ongoing_requests, num_cpus=args.num_cpus,
-        num_gpus=args.num_gpus, threads=args.threads, api_key=args.api_key,
+        num_gpus=args.num_gpus, threads=args.threads, enforce_eager=args.enforce_eager, api_key=args.api_key,
         graceful_shutdown_timeout_s=args.drain_timeout,
         limits=ApiLimits(max_n=args.max_n, max_tokens=args.max_tokens_limit,
                          max_body_bytes=parse_size(args.max_body_size),
@@ -198,6 +199,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step")
     p.add_argument("--max-num-seqs", type=int, default=64, help="max running sequences")
     p.add_argument("--threads", type=int, help="torch threads for model steps")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run the model eagerly: no torch.compile (faster start, slower steps)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,6 +24,7 @@ class ServeConfig:
     max_model_len: int | None = None
     max_waiting: int | None = None
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # True: no torch.compile of the model step
     num_replicas: int = 1
     model_replicas: dict[str, int] | None = None  # per-model override of num_replicas
     autoscaling: dict[str, Any] | None = None  # Serve autoscaling_config, e.g. {"min_replicas": 1, "max_replicas": 4}
@@ -72,7 +73,7 @@ class ServeConfig:
             num_blocks=self.num_blocks, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, max_waiting=self.max_waiting,
             num_threads=threads, enable_prefix_caching=self.enable_prefix_caching,
-            device="cuda" if self.num_gpus > 0 else "cpu",
+            enforce_eager=self.enforce_eager, device="cuda" if self.num_gpus > 0 else "cpu",
         )
 
     def replicas(self, model: str) -> int:

@@ -7,13 +7,41 @@ import torch
 @torch.no_grad()
 def hf_greedy(hf_model, prompt: list[int], num_tokens: int) -> list[int]:
     """HF forward with its own KV cache, greedy, exactly `num_tokens` new tokens (EOS does not stop it)."""
-    out, past, step = [], None, torch.tensor([prompt])
+    return hf_greedy_logprobs(hf_model, prompt, num_tokens)[0]
+
+
+@torch.no_grad()
+def hf_greedy_logprobs(hf_model, prompt: list[int], num_tokens: int, top: int = 5):
+    """hf_greedy, plus each step's `top` (token id -> logprob) alternatives."""
+    out, tops, past, step = [], [], None, torch.tensor([prompt])
     for _ in range(num_tokens):
         res = hf_model(input_ids=step, cache=past, use_cache=True)
         past = res.cache
-        out.append(int(res.logits[0, -1].argmax()))
+        logprobs = res.logits[0, -1].float().log_softmax(-1)
+        values, ids = logprobs.topk(top)
+        tops.append(dict(zip(ids.tolist(), values.tolist())))
+        out.append(int(logprobs.argmax()))
         step = torch.tensor([[out[-1]]])
-    return out
+    return out, tops
+
+
+# bf16 logprobs of two correct implementations differ by a few tenths on these tiny random models
+# (HF's own bf16 logits are up to 0.2 off its fp32 ones), more after a long bf16 KV history, so
+# their greedy picks may differ where the top two are that close.
+NEAR_TIE = 0.6
+
+
+def assert_greedy_close(ours: list[int], our_tops: list[dict[int, float]], theirs: list[int],
+                        their_tops: list[dict[int, float]], what: str = "") -> None:
+    """Equal tokens up to the first difference, which must be a near-tie for both sides (the
+    sequences go their own ways after it). The check vLLM's tests make for reduced precision."""
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a == b:
+            continue
+        assert a in their_tops[i] and b in our_tops[i], f"{what}: token {i} ({a} vs {b}) is not a near-tie"
+        assert their_tops[i][b] - their_tops[i][a] <= NEAR_TIE and our_tops[i][a] - our_tops[i][b] <= NEAR_TIE, (
+            f"{what}: token {i}: ours {a}, HF {b}; HF logprobs {their_tops[i]}, ours {our_tops[i]}")
+        return
 
 
 @torch.no_grad()

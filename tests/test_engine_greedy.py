@@ -1,17 +1,19 @@
 """Greedy outputs equal HF transformers token for token, whatever batching, paging,
-preemption, chunking or prefix caching does."""
+preemption, chunking or prefix caching does: on the compiled step and the eager one, in fp32
+and bf16 (HF in the same dtype)."""
 import random
 
 import pytest
+import torch
 
 from models import load_model, load_tokenizer
 from server.engine import EngineConfig, LLMEngine, SamplingParams
-from tests.reference import hf_greedy, load_hf
+from tests.reference import assert_greedy_close, hf_greedy_logprobs, load_hf
 from tests.tiny import CORPUS
 
 ARCHS = ["llama", "mistral", "gpt2"]  # GQA, MQA, MHA
 NUM_TOKENS = 24
-GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
 
 
 def mixed_prompts(tok, count, seed=0, min_len=3, max_len=90):
@@ -25,44 +27,62 @@ def mixed_prompts(tok, count, seed=0, min_len=3, max_len=90):
     return out
 
 
+MODES = [("compiled", "float32"), ("eager", "float32"), ("compiled", "bfloat16"), ("eager", "bfloat16")]
+
+
 @pytest.fixture(scope="module")
 def oracle(tiny_checkpoints):
-    """Per arch: (checkpoint path, model, tokenizer, memoised HF greedy continuation)."""
+    """Per (arch, dtype): (model, tokenizer, memoised HF greedy continuation and top logprobs in that dtype)."""
     cache = {}
 
-    def get(arch):
-        if arch not in cache:
+    def get(arch, dtype="float32"):
+        if (arch, dtype) not in cache:
             path = tiny_checkpoints[arch]
-            hf = load_hf(path)
+            hf = load_hf(path, dtype=getattr(torch, dtype))
             memo = {}
 
             def expected(prompt):
                 key = tuple(prompt)
                 if key not in memo:
-                    memo[key] = hf_greedy(hf, list(prompt), NUM_TOKENS)
+                    memo[key] = hf_greedy_logprobs(hf, list(prompt), NUM_TOKENS)
                 return memo[key]
-            cache[arch] = (load_model(path), load_tokenizer(path), expected)
-        return cache[arch]
+            cache[(arch, dtype)] = (load_model(path, dtype), load_tokenizer(path), expected)
+        return cache[(arch, dtype)]
     return get
 
 
-def engine_for(model, tok, **kw):
-    cfg = dict(model="tiny", dtype="float32", num_blocks=256, block_size=4, max_num_batched_tokens=512, max_num_seqs=32)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), model=model, tokenizer=tok)
+@pytest.fixture(params=MODES, ids=["-".join(m) for m in MODES])
+def setup(oracle, request):
+    """(oracle for an arch in this test's dtype, engine factory for its step mode)."""
+    step, dtype = request.param
+
+    def engine_for(model, tok, **kw):
+        cfg = dict(model="tiny", dtype=dtype, num_blocks=256, block_size=4, max_num_batched_tokens=512,
+                   max_num_seqs=32, enforce_eager=step == "eager")
+        cfg.update(kw)
+        return LLMEngine(EngineConfig(**cfg), model=model, tokenizer=tok)
+    return (lambda arch: oracle(arch, dtype)), engine_for
 
 
 def run_and_check(engine, prompts, expected):
+    """fp32: exactly HF's tokens. bf16: HF's tokens up to a first difference that is a near-tie."""
     results = engine.generate(prompts, GREEDY)
     for prompt, group in zip(prompts, results):
-        assert list(group[0].token_ids) == expected(prompt), f"prompt of {len(prompt)} tokens diverged"
+        theirs, their_tops = expected(prompt)
+        ours = list(group[0].token_ids)
+        if engine.config.dtype == "float32":
+            assert ours == theirs, f"prompt of {len(prompt)} tokens diverged"
+        else:
+            our_tops = [dict(lp.top) for lp in group[0].logprobs]
+            assert_greedy_close(ours, our_tops, theirs, their_tops, f"prompt of {len(prompt)} tokens")
         assert group[0].finish_reason == "length"
     assert engine.kv.num_free_blocks == engine.kv.num_blocks  # every block back after every request
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_alone(arch, oracle):
+def test_alone(arch, setup):
+    oracle, engine_for = setup
     model, tok, expected = oracle(arch)
     engine = engine_for(model, tok)
     for prompt in mixed_prompts(tok, 3, seed=1):
@@ -70,7 +90,8 @@ def test_alone(arch, oracle):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_16_mixed_length_requests_at_once(arch, oracle):
+def test_16_mixed_length_requests_at_once(arch, setup):
+    oracle, engine_for = setup
     model, tok, expected = oracle(arch)
     engine = engine_for(model, tok)
     prompts = mixed_prompts(tok, 16, seed=2)
@@ -80,7 +101,8 @@ def test_16_mixed_length_requests_at_once(arch, oracle):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_preemption_by_recompute(arch, oracle):
+def test_preemption_by_recompute(arch, setup):
+    oracle, engine_for = setup
     model, tok, expected = oracle(arch)
     # 12 prompts need ~12 * (90 + 24) / 4 blocks together; 40 blocks hold only a few at a time
     engine = engine_for(model, tok, num_blocks=40, enable_prefix_caching=False)
@@ -90,7 +112,8 @@ def test_preemption_by_recompute(arch, oracle):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill(arch, oracle):
+def test_chunked_prefill(arch, setup):
+    oracle, engine_for = setup
     model, tok, expected = oracle(arch)
     engine = engine_for(model, tok, max_num_batched_tokens=16, max_num_seqs=8)
     prompts = mixed_prompts(tok, 6, seed=4, min_len=30, max_len=90)
@@ -99,7 +122,8 @@ def test_chunked_prefill(arch, oracle):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_shared_prefix_from_prefix_cache(arch, oracle):
+def test_shared_prefix_from_prefix_cache(arch, setup):
+    oracle, engine_for = setup
     model, tok, expected = oracle(arch)
     engine = engine_for(model, tok)
     system = tok(CORPUS)["input_ids"][:41]
@@ -110,7 +134,8 @@ def test_shared_prefix_from_prefix_cache(arch, oracle):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_identical_prompt_twice_hits_all_but_the_last_block(arch, oracle):
+def test_identical_prompt_twice_hits_all_but_the_last_block(arch, setup):
+    oracle, engine_for = setup
     model, tok, expected = oracle(arch)
     engine = engine_for(model, tok)
     prompt = tok(CORPUS)["input_ids"][:40]  # exactly 10 blocks of 4
@@ -120,7 +145,8 @@ def test_identical_prompt_twice_hits_all_but_the_last_block(arch, oracle):
     assert engine.scheduler.num_prefix_hits - before == 36  # the last block is recomputed for logits
 
 
-def test_preemption_chunking_and_prefix_cache_together(oracle):
+def test_preemption_chunking_and_prefix_cache_together(setup):
+    oracle, engine_for = setup
     model, tok, expected = oracle("llama")
     engine = engine_for(model, tok, num_blocks=48, max_num_batched_tokens=24, max_num_seqs=10)
     system = tok(CORPUS)["input_ids"][:30]

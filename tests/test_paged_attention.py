@@ -1,74 +1,137 @@
-"""Paged attention against dense attention, storage sizing, and the CUDA Flash path."""
+"""The paged-attention op against the written-out formula, storage sizing, the no-compiler
+fallback, and the CUDA paged path."""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from kvcache import ops
 from kvcache.paged_attention import AttentionMetadata, PagedAttention
 from kvcache.storage import KVCacheSpec, PagedKVCache, parse_size
 from models.attention import reference_attention
+from tests.reference import hf_greedy, load_hf
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def dense_reference(q_all, k_all, v_all):
-    """q (S, H, D) against k/v (S, Hkv, D): causal reference over one whole sequence."""
-    out, _ = reference_attention(q_all.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1))
+    """q (S, H, D) against k/v (S, Hkv, D): causal reference over one whole sequence, in fp64."""
+    out, _ = reference_attention(*(x.double().transpose(0, 1) for x in (q_all, k_all, v_all)))
     return out.transpose(0, 1)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
-def test_mixed_step_matches_dense(heads, kv_heads):
-    """Two decodes, a prefill with a cached prefix, and a fresh prefill in one packed step."""
-    g = torch.Generator().manual_seed(0)
-    bs, d = 4, 8
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=d, dtype=torch.float32, block_size=bs)
-    cache = PagedKVCache(spec, num_blocks=32)
-    full_lens = [7, 13, 11, 6]  # total tokens per sequence after this step
-    new_lens = [1, 1, 5, 6]  # decode, decode, chunk after 6 cached tokens, fresh prompt
-    tables = [[3, 9], [0, 5, 17, 2], [8, 1, 30], [4, 6]]
-    qs = [torch.randn(n, heads, d, generator=g) for n in full_lens]
-    ks = [torch.randn(n, kv_heads, d, generator=g) for n in full_lens]
-    vs = [torch.randn(n, kv_heads, d, generator=g) for n in full_lens]
-    for t, k, v, total, new in zip(tables, ks, vs, full_lens, new_lens):  # earlier steps' K/V
+def run_step(seq_lens, new_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0, device="cpu", attention=None):
+    """Fill a pool with each sequence's earlier K/V (scattered blocks), run one step through the
+    op, and return (output, expected) with expected from the reference over whole sequences."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    cache = PagedKVCache(KVCacheSpec(1, kv_heads, head_dim, dtype, block_size), num_blocks, device)
+    free = iter(torch.randperm(num_blocks, generator=g).tolist())
+    tables = [[next(free) for _ in range(-(-n // block_size))] for n in seq_lens]
+    qs = [torch.randn(n, heads, head_dim, generator=g).to(dtype) for n in seq_lens]
+    ks = [torch.randn(n, kv_heads, head_dim, generator=g).to(dtype) for n in seq_lens]
+    vs = [torch.randn(n, kv_heads, head_dim, generator=g).to(dtype) for n in seq_lens]
+    for t, k, v, total, new in zip(tables, ks, vs, seq_lens, new_lens):  # earlier steps' K/V
         for pos in range(total - new):
-            cache.k[0][t[pos // bs], pos % bs] = k[pos]
-            cache.v[0][t[pos // bs], pos % bs] = v[pos]
-    meta = AttentionMetadata.build(new_lens, [f - n for f, n in zip(full_lens, new_lens)], tables, bs, num_decodes=2)
-    q = torch.cat([x[-n:] for x, n in zip(qs, new_lens)])
-    k = torch.cat([x[-n:] for x, n in zip(ks, new_lens)])
-    v = torch.cat([x[-n:] for x, n in zip(vs, new_lens)])
-    out = PagedAttention(cache, meta)(0, q, k, v)
+            cache.k[0][t[pos // block_size], pos % block_size] = k[pos].to(device)
+            cache.v[0][t[pos // block_size], pos % block_size] = v[pos].to(device)
+    meta = AttentionMetadata.build(new_lens, [f - n for f, n in zip(seq_lens, new_lens)], tables, block_size, device)
+    q, k, v = (torch.cat([x[-n:] for x, n in zip(xs, new_lens)]).to(device) for xs in (qs, ks, vs))
+    out = PagedAttention(cache, meta)(0, q, k, v) if attention is None else attention(cache, meta, q, k, v)
     expected = torch.cat([dense_reference(qq, kk, vv)[-n:] for qq, kk, vv, n in zip(qs, ks, vs, new_lens)])
-    assert (out - expected).abs().max() < 1e-5
-    for t, k, total in zip(tables, ks, full_lens):  # the new K/V landed in their slots
-        assert torch.equal(cache.k[0][t[(total - 1) // bs], (total - 1) % bs], k[total - 1])
+    for t, k, total in zip(tables, ks, seq_lens):  # the step's K/V landed in their slots
+        assert torch.equal(cache.k[0][t[(total - 1) // block_size], (total - 1) % block_size].cpu(), k[total - 1])
+    return out.cpu(), expected
 
 
-def test_decodes_of_different_lengths_are_grouped_and_exact():
-    g = torch.Generator().manual_seed(3)
-    bs, d, heads, kv_heads = 4, 8, 4, 2
-    cache = PagedKVCache(KVCacheSpec(1, kv_heads, d, torch.float32, bs), num_blocks=64)
-    lens = [40, 35, 13, 11, 4, 3]  # longest first, as the scheduler orders them
-    tables, free = [], iter(torch.randperm(64, generator=g).tolist())
-    for n in lens:
-        tables.append([next(free) for _ in range(-(-n // bs))])
-    ks = [torch.randn(n, kv_heads, d, generator=g) for n in lens]
-    vs = [torch.randn(n, kv_heads, d, generator=g) for n in lens]
-    qs = [torch.randn(n, heads, d, generator=g) for n in lens]
-    for t, k, v, n in zip(tables, ks, vs, lens):
-        for pos in range(n - 1):
-            cache.k[0][t[pos // bs], pos % bs] = k[pos]
-            cache.v[0][t[pos // bs], pos % bs] = v[pos]
-    meta = AttentionMetadata.build([1] * 6, [n - 1 for n in lens], tables, bs, num_decodes=6)
-    assert [(x.start, x.end) for x in meta.decode_groups] == [(0, 2), (2, 4), (4, 6)]
-    out = PagedAttention(cache, meta)(0, torch.stack([q[-1] for q in qs]), torch.stack([k[-1] for k in ks]),
-                                      torch.stack([v[-1] for v in vs]))
-    expected = torch.stack([dense_reference(q, k, v)[-1] for q, k, v in zip(qs, ks, vs)])
-    assert (out - expected).abs().max() < 1e-5
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1), (9, 3)])
+def test_mixed_step_matches_reference(heads, kv_heads):
+    """Decodes of ragged lengths, a chunk over a cached prefix and a fresh prompt, in one call."""
+    seq_lens = [7, 13, 40, 11, 6, 1]
+    new_lens = [1, 1, 1, 5, 6, 1]  # three decodes, a chunk after 6 cached tokens, a fresh prompt, a 1-token prompt
+    out, expected = run_step(seq_lens, new_lens, heads, kv_heads, 16, 4, torch.float32)
+    assert (out.double() - expected).abs().max() < 1e-5
 
 
-def test_slot_mapping_follows_block_tables():
-    meta = AttentionMetadata.build([1, 3], [5, 0], [[7, 2], [4]], block_size=4, num_decodes=1)
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 31, 32, 33])
+@pytest.mark.parametrize("new", ["decode", "prefill", "chunk"])
+def test_block_boundaries_and_a_one_token_context(length, new):
+    """Sequences ending just before, on and after a block edge (block size 16), and of one token."""
+    query = {"decode": 1, "prefill": length, "chunk": max(1, length // 2)}[new]
+    out, expected = run_step([length, length + 3], [query, min(query, length + 3)], 9, 3, 64, 16, torch.float32,
+                             seed=length)
+    assert (out.double() - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 64, 80, 128])
+def test_head_dims_with_and_without_padding_lanes(head_dim):
+    out, expected = run_step([37, 20, 9], [1, 20, 4], 4, 2, head_dim, 8, torch.float32, seed=head_dim)
+    assert (out.double() - expected).abs().max() < 1e-5
+
+
+def test_many_decodes_take_whole_block_rows():
+    """Enough decodes that each one's KV heads form one work item (the whole-row path)."""
+    seq_lens = [5 + 37 * i % 200 for i in range(24)]
+    out, expected = run_step(seq_lens, [1] * 24, 9, 3, 64, 16, torch.float32, seed=7)
+    assert (out.double() - expected).abs().max() < 1e-5
+
+
+def test_bfloat16_matches_the_reference_to_bf16_precision():
+    out, expected = run_step([70, 33, 18, 5], [1, 33, 6, 1], 9, 3, 64, 16, torch.bfloat16, seed=3)
+    assert (out.double() - expected).abs().max() < 2e-2
+
+
+def test_kernel_equals_the_sdpa_gather_path():
+    """The C++ kernel against the path it replaced (kept as the fallback and as an oracle)."""
+    def sdpa(cache, meta, q, k, v):
+        return ops.sdpa_paged_attention(q, k, v, cache.k[0], cache.v[0], meta.slot_mapping, meta.block_tables,
+                                        meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                                        meta.max_seq_len, 1 / math.sqrt(q.shape[-1]))
+    lens, new = [50, 17, 64, 9], [1, 17, 30, 1]
+    ours, _ = run_step(lens, new, 8, 2, 32, 16, torch.float32, seed=11)
+    theirs, _ = run_step(lens, new, 8, 2, 32, 16, torch.float32, seed=11, attention=sdpa)
+    assert (ours - theirs).abs().max() < 1e-5
+
+
+def test_metadata_slots_and_tables():
+    meta = AttentionMetadata.build([1, 3], [5, 0], [[7, 2], [4]], block_size=4)
     assert meta.slot_mapping.tolist() == [2 * 4 + 1, 16, 17, 18]
-    (group,) = meta.decode_groups
-    assert group.block_ids.tolist() == [7, 2] and group.length == 6 and group.mask is None
+    assert meta.block_tables.tolist() == [[7, 2], [4, 0]] and meta.block_tables.dtype == torch.int32
+    assert meta.seq_lens.tolist() == [6, 3] and meta.query_start_loc.tolist() == [0, 1, 4]
+    assert (meta.max_query_len, meta.max_seq_len) == (3, 6)
+
+
+def test_native_kernel_is_the_cpu_backend_here():
+    """This machine has a compiler: the C++ kernel, not the fallback, serves CPU attention."""
+    assert ops.CPU_BACKEND == "native"
+
+
+def test_without_a_compiler_the_engine_serves_on_fallbacks_with_warnings(tmp_path, tiny_checkpoints):
+    """No C++ compiler: attention takes the gather + SDPA path and the model step runs eagerly
+    (inductor needs a compiler too); both say so, and greedy tokens are unchanged."""
+    path = tiny_checkpoints["llama"]
+    code = ("import warnings, torch; warnings.simplefilter('always')\n"
+            "from kvcache import ops\n"
+            "from server.engine import EngineConfig, LLMEngine, SamplingParams\n"
+            "from tests.test_paged_attention import run_step\n"
+            "out, expected = run_step([9, 4], [1, 4], 4, 2, 16, 4, torch.float32)\n"
+            f"e = LLMEngine(EngineConfig(model={str(path)!r}, dtype='float32', num_blocks=32, block_size=4))\n"
+            "r = e.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))\n"
+            "print(ops.CPU_BACKEND, float((out.double() - expected).abs().max()), e.runner.forward is e.model,\n"
+            "      ','.join(map(str, r[0][0].token_ids)))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(CXX=str(tmp_path / "no-such-g++"), ATTNSERVE_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    backend, err, eager, tokens = proc.stdout.split()
+    assert backend == "sdpa" and float(err) < 1e-5 and eager == "True"
+    assert "paged-attention kernel is unavailable" in proc.stderr and "no C++ compiler" in proc.stderr
+    assert "running it eagerly" in proc.stderr
+    assert [int(t) for t in tokens.split(",")] == hf_greedy(load_hf(path), [5, 6, 7, 8, 9], 8)
 
 
 def test_kv_bytes_per_token_and_gqa_fits_3x_mha():
@@ -90,27 +153,12 @@ def test_parse_size():
         parse_size("lots")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: checks the Flash backend is selected")
-def test_cuda_paged_attention_uses_flash_backend():
-    dev, bs, d = "cuda", 16, 64
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=d, dtype=torch.bfloat16, block_size=bs)
-    cache = PagedKVCache(spec, num_blocks=16, device=dev)
-    cache_cpu = PagedKVCache(KVCacheSpec(1, 2, d, torch.float32, bs), num_blocks=16)
-    g = torch.Generator().manual_seed(0)
-    prior = torch.randn(2, 16, bs, 2, d, generator=g)
-    cache.k[0].copy_(prior[0].to(dev, torch.bfloat16))
-    cache.v[0].copy_(prior[1].to(dev, torch.bfloat16))
-    cache_cpu.k[0].copy_(cache.k[0].float().cpu())
-    cache_cpu.v[0].copy_(cache.v[0].float().cpu())
-    new, ctx, tables = [1, 1, 20, 9], [40, 3, 0, 12], [[0, 1, 2], [3], [4, 5], [6, 7]]
-    q = torch.randn(sum(new), 8, d, generator=g)
-    k = torch.randn(sum(new), 2, d, generator=g)
-    v = torch.randn(sum(new), 2, d, generator=g)
-    meta = AttentionMetadata.build(new, ctx, tables, bs, num_decodes=2, device=dev)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out = PagedAttention(cache, meta)(0, *(x.to(dev, torch.bfloat16) for x in (q, k, v)))
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Flash paged kernel (varlen_attn)")
+def test_cuda_paged_attention_uses_flash_varlen_with_block_table():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out, expected = run_step([40, 3, 20, 21], [1, 1, 20, 9], 8, 2, 64, 256, torch.bfloat16, device="cuda")
     names = {e.name for e in prof.events()}
     assert any("flash_attention" in n for n in names), sorted(n for n in names if "attention" in n)
-    assert not any("efficient_attention" in n or n == "aten::_scaled_dot_product_attention_math" for n in names)
-    ref = PagedAttention(cache_cpu, AttentionMetadata.build(new, ctx, tables, bs, num_decodes=2))(0, q, k, v)
-    assert (out.float().cpu() - ref).abs().max() < 3e-2
+    assert not any(n == "aten::index_select" for n in names)  # no gather: the kernel reads the blocks
+    assert (out.double() - expected).abs().max() < 3e-2

@@ -130,3 +130,13 @@ def test_invalid_params_name_the_field(kw, param):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kw)
     assert e.value.param == param
+
+
+def test_greedy_rows_take_the_argmax_of_bf16_logits_as_fp32_would():
+    logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    logits[0, 5] = logits[0, 7] = logits[0].max() + 1  # a tie: the first index wins, as in fp32
+    tokens, logprobs = sample(logits, batch_of([SamplingParams(temperature=0)] * 8))
+    assert tokens == logits.float().argmax(-1).tolist() and tokens[0] == 5 and logprobs == [None] * 8
+    mixed = [SamplingParams(temperature=0, logprobs=2)] + [SamplingParams(temperature=0)] * 7
+    tokens, logprobs = sample(logits, batch_of(mixed))  # logprobs asked: the fp32 path, same tokens
+    assert tokens == logits.float().argmax(-1).tolist() and {t for t, _ in logprobs[0].top} == {5, 7}

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from kvcache.storage import parse_size
 
 
+CUDA_BLOCK_SIZE = 256
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"
@@ -19,6 +22,7 @@ class EngineConfig:
     max_waiting: int | None = None  # bounded waiting queue; None = unbounded
     num_threads: int | None = None  # torch intra-op threads for the step; None = torch's default
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # True: run the model eagerly, without torch.compile
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -43,3 +47,6 @@ class EngineConfig:
             raise ValueError("num_threads must be positive")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError("dtype must be float32 or bfloat16")
+        # NOTE: on CUDA, attention reads the pool with Flash's paged kernel, whose pages are 256 tokens
+        if self.device.startswith("cuda") and self.block_size % CUDA_BLOCK_SIZE:
+            raise ValueError(f"on CUDA block_size must be a multiple of {CUDA_BLOCK_SIZE} (Flash's paged KV kernel)")

@@ -1,6 +1,8 @@
 """Turns a SchedulerOutput into tensors, runs the model over the paged cache, samples."""
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,9 +11,12 @@ import torch
 from kvcache.paged_attention import AttentionMetadata, PagedAttention
 from kvcache.storage import PagedKVCache
 from models.transformer import DecoderLM
+from server.engine.compilation import compile_model
 from server.engine.request import TokenLogprob
 from server.engine.sampler import SamplingBatch, sample
 from server.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,10 +39,39 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, cache: PagedKVCache) -> None:
+    """Runs steps through the compiled model (or the eager one, with `compile=False`)."""
+
+    def __init__(self, model: DecoderLM, cache: PagedKVCache, compile: bool = True) -> None:
         self.model = model
         self.cache = cache
         self.device = model.device
+        self.forward, self.compile_seconds = model, 0.0
+        if compile:
+            try:
+                self.forward = compile_model(model)
+                self.compile_seconds = self.warm_up()
+            except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler for inductor: serve, slower
+                logger.warning("torch.compile of the model step failed (%s: %s); running it eagerly",
+                               type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self.forward, self.compile_seconds = model, 0.0
+
+    def warm_up(self) -> float:
+        """Compile (or load from the disk cache) before serving: a prefill step, then a decode.
+
+        Inputs are made as `prepare` makes them (outside inference mode), so the guards that
+        compiling records are the ones real steps pass. NOTE: the dummy K/V land in block 0,
+        which holds nothing yet; any request that later owns it writes every slot before reading.
+        """
+        start = time.perf_counter()
+        bs = self.cache.spec.block_size
+        for query_len, context_len in ((2, 0), (1, 2)):
+            total = query_len + context_len
+            meta = AttentionMetadata.build([query_len], [context_len], [[0] * -(-total // bs)], bs, self.device)
+            ids = torch.zeros(query_len, dtype=torch.long, device=self.device)
+            positions = torch.arange(context_len, total, device=self.device)
+            with torch.inference_mode():
+                self.forward(ids, positions, PagedAttention(self.cache, meta))
+        return time.perf_counter() - start
 
     def prepare(self, out: SchedulerOutput) -> Batch:
         ids: list[int] = []
@@ -52,8 +86,7 @@ class ModelRunner:
                 logits_rows.append(len(ids) - 1)
         attn = AttentionMetadata.build(
             [s.num_new_tokens for s in out.seqs], [s.num_computed_tokens for s in out.seqs],
-            [s.block_ids for s in out.seqs], self.cache.spec.block_size, out.num_decodes, self.device,
-            self.cache.spec.dtype,
+            [s.block_ids for s in out.seqs], self.cache.spec.block_size, self.device,
         )
         return Batch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
@@ -70,9 +103,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepResult:
-        hidden = self.model(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.attn))  # (T, C)
+        hidden = self.forward(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.attn))  # (T, C)
         if not len(batch.logits_indices):
             return StepResult((), ())
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, V) fp32
+        logits = self.model.lm_head(hidden[batch.logits_indices])  # (S, V) in the model's dtype
         tokens, logprobs = sample(logits, batch.sampling)
         return StepResult(tuple(tokens), tuple(logprobs))

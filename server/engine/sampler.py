@@ -113,7 +113,17 @@ def token_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, params: Seque
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Raw fp32 logits (B, V) -> sampled token ids and, where asked, their logprobs."""
+    """Raw logits (B, V), in the model's dtype -> sampled token ids and, where asked, their logprobs.
+
+    NOTE: a batch of plain greedy rows takes the first maximum of the raw logits: the token fp32
+    would give (the conversion is exact and keeps ties), without a (B, V) fp32 copy per step.
+    `max(dim)` rather than `argmax`: CPU argmax has no vectorised bf16 kernel (2.5 ms against
+    0.5 ms for 32 x 49,152 here).
+    """
+    params = batch.params
+    if all(p.greedy and not p.has_penalties and p.logprobs is None for p in params):
+        return logits.max(-1).indices.tolist(), [None] * len(params)
+    logits = logits.float()
     processed = apply_filters(apply_penalties(logits, batch), batch.params)
     tokens = draw(processed, batch)
     return tokens.tolist(), token_logprobs(logits, tokens, batch.params)

@@ -30,8 +30,7 @@ class ScheduledSeq:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    seqs: tuple[ScheduledSeq, ...]  # single-token seqs first
-    num_decodes: int
+    seqs: tuple[ScheduledSeq, ...]
 
     @property
     def is_empty(self) -> bool:
@@ -101,10 +100,8 @@ class Scheduler:
             budget -= n
             self._track_peak(req)
         seqs = [ScheduledSeq(r, n, c, tuple(self.kv.block_ids(r.request_id))) for r, n, c in chosen.values()]
-        # decodes first, longest first (attention groups decodes of similar length), then prefills
-        seqs.sort(key=lambda s: (s.num_new_tokens > 1, -s.num_computed_tokens if s.num_new_tokens == 1 else 0))
         self.num_partial_prefills += sum(not s.samples for s in seqs)
-        return SchedulerOutput(tuple(seqs), sum(s.num_new_tokens == 1 for s in seqs))
+        return SchedulerOutput(tuple(seqs))
 
     def _track_peak(self, req: Request) -> None:
         blocks = self.kv.num_request_blocks(req.request_id)

@@ -1,0 +1,600 @@
+// Paged attention for CPU: reads K/V blocks where they lie in the pool, no gather, no padding.
+//
+// One call per layer covers a whole step: every sequence with its own number of new (query)
+// tokens and its own context. Work items are (sequence, KV head, query tile); the query heads
+// of a GQA group share each K/V read, and the softmax is online (flash style), so the only
+// per-item state is the tile's accumulators. Math is fp32 whatever the storage dtype.
+//
+// Vectors are GCC vector extensions of 16 floats: AVX-512 registers where the CPU has them,
+// pairs of AVX2 registers elsewhere (the build passes -march=native).
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define ATTNSERVE_BF16_DOT 1  // bf16 pairs multiplied straight from the cache, fp32 accumulation
+#else
+#define ATTNSERVE_BF16_DOT 0
+#endif
+
+namespace {
+
+constexpr int W = 16;  // floats per vector; keys are taken W at a time
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int MAX_TILE_ROWS = 32;  // query rows (tokens x group heads) per work item
+constexpr int MAX_NV = 16;  // head_dim up to 256
+constexpr int PREFETCH_KEYS = 16;  // how far ahead (in keys) K/V rows are prefetched
+
+inline vf splat(float x) { return vf{} + x; }
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// Lane shuffles. fold<h>(x, y): x and y each hold W / (2h) slots of 2h lanes; the result holds
+// x's slots then y's, each summed down to h lanes. Four folds turn W vectors of per-key
+// partial dot products into one vector of W dot products, in key order.
+constexpr int fold_index(int h, int upper, int l) {
+  const int slots = W / (2 * h), s = l / h;
+  const int base = s < slots ? s * 2 * h : W + (s - slots) * 2 * h;
+  return base + upper * h + l % h;
+}
+
+template <int H, int... I>
+inline vf fold_impl(vf x, vf y, std::integer_sequence<int, I...>) {
+  constexpr vi lo = {fold_index(H, 0, I)...};
+  constexpr vi hi = {fold_index(H, 1, I)...};
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
+template <int H>
+inline vf fold(vf x, vf y) {
+  return fold_impl<H>(x, y, std::make_integer_sequence<int, W>{});
+}
+
+// part[t] (t < W) -> one vector whose lane t is the sum of part[t]'s lanes.
+inline vf reduce_lanes(vf* part) {
+  for (int i = 0; i < 8; ++i) part[i] = fold<8>(part[2 * i], part[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) part[i] = fold<4>(part[2 * i], part[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) part[i] = fold<2>(part[2 * i], part[2 * i + 1]);
+  return fold<1>(part[0], part[1]);
+}
+
+// Butterfly over lanes: every lane ends up holding op over all lanes.
+template <int S, int... I>
+inline vf swap_lanes(vf x, std::integer_sequence<int, I...>) {
+  constexpr vi m = {(I ^ S)...};
+  return __builtin_shuffle(x, m);
+}
+
+template <int S>
+inline vf swapped(vf x) { return swap_lanes<S>(x, std::make_integer_sequence<int, W>{}); }
+
+inline float hsum(vf v) {
+  v += swapped<8>(v);
+  v += swapped<4>(v);
+  v += swapped<2>(v);
+  v += swapped<1>(v);
+  return v[0];
+}
+
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+inline float hmax(vf v) {
+  v = vmax(v, swapped<8>(v));
+  v = vmax(v, swapped<4>(v));
+  v = vmax(v, swapped<2>(v));
+  v = vmax(v, swapped<1>(v));
+  return v[0];
+}
+
+// exp for x <= 0 (softmax arguments), ~1 ulp: 2^n * p(r) with |r| <= ln2 / 2.
+inline vf exp_neg(vf x) {
+  x = vmax(x, splat(-87.0f));
+  const vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);  // nearest, for x <= 0
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// n storage values -> NV * W floats (zero padded).
+template <typename T, int NV>
+inline void to_float(const T* src, float* dst, int n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    static_assert(std::is_same_v<T, c10::BFloat16>);
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+    if (n == NV * W) {  // the common case, unrolled: head_dim a multiple of W
+      for (int j = 0; j < NV; ++j) {
+        vh h;
+        std::memcpy(&h, s + j * W, sizeof h);
+        const vu u = __builtin_convertvector(h, vu) << 16;
+        std::memcpy(dst + j * W, &u, sizeof u);
+      }
+      return;
+    }
+    int i = 0;
+    for (; i + W <= n; i += W) {
+      vh h;
+      std::memcpy(&h, s + i, sizeof h);
+      const vu u = __builtin_convertvector(h, vu) << 16;
+      std::memcpy(dst + i, &u, sizeof u);
+    }
+    for (; i < n; ++i) {
+      const uint32_t u = uint32_t(s[i]) << 16;
+      std::memcpy(dst + i, &u, 4);
+    }
+  }
+  for (int i = n; i < NV * W; ++i) dst[i] = 0.f;
+}
+
+template <typename T>
+inline void from_float(const float* src, T* dst, int n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    for (int i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);  // round to nearest even
+  }
+}
+
+struct Layout {
+  int64_t num_heads, num_kv_heads, head_dim, block_size;
+  int block_shift;  // log2(block_size): a power of two, so positions split by shift and mask
+  int64_t q_stride_t, q_stride_h, out_stride_t, out_stride_h;
+  int64_t cache_stride_block, cache_stride_tok, cache_stride_head;
+  int64_t table_stride;
+};
+
+struct WorkItem {
+  int32_t seq, first_head, num_heads;  // KV heads [first, first + num) of sequence `seq`
+  int32_t first_row, num_rows;  // per head, query rows [first, first + num); row r = token r / group
+  int64_t cost;
+};
+
+struct SeqView {  // one sequence's slice of the step
+  const int32_t* block_table;
+  int64_t seq_len, query_start, num_queries;
+  int64_t position(int64_t token) const { return seq_len - num_queries + token; }
+};
+
+template <typename T>
+inline int64_t kv_offset(const SeqView& s, int64_t pos, int64_t head, const Layout& L) {
+  return s.block_table[pos >> L.block_shift] * L.cache_stride_block + (pos & (L.block_size - 1)) * L.cache_stride_tok +
+         head * L.cache_stride_head;
+}
+
+// Prefetch the K and V rows of keys [key0, key0 + nk), `bytes` of each from KV head `head` on.
+template <typename T>
+inline void prefetch_keys(const T* k_cache, const T* v_cache, const SeqView& s, int64_t key0, int64_t nk,
+                          int64_t head, int64_t bytes, const Layout& L) {
+  for (int64_t t = 0; t < nk; ++t) {
+    const int64_t off = kv_offset<T>(s, key0 + t, head, L);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k_cache + off) + b, 0, 1);
+      __builtin_prefetch(reinterpret_cast<const char*>(v_cache + off) + b, 0, 1);
+    }
+  }
+}
+
+// K and V rows of keys [key0, key0 + nk) for one head: V (and K unless `kf` is null) as fp32
+// [t][Dp], and where each K row lies.
+template <typename T, int NV>
+inline void load_chunk(const T* k_cache, const T* v_cache, const SeqView& s, int64_t key0, int nk, int64_t head,
+                       const Layout& L, float* kf, float* vf_, const T** k_rows) {
+  const int64_t num_keys = s.seq_len, row_bytes = L.head_dim * int64_t(sizeof(T));
+  for (int t = 0; t < nk; ++t) {
+    // NOTE: a steady stream of prefetches, PREFETCH_KEYS ahead: a burst of a whole chunk's rows
+    // would overflow the miss queues, and the blocks are DRAM-cold (every other layer ran since)
+    if (key0 + t + PREFETCH_KEYS < num_keys) {
+      prefetch_keys(k_cache, v_cache, s, key0 + t + PREFETCH_KEYS, 1, head, row_bytes, L);
+    }
+    const int64_t off = kv_offset<T>(s, key0 + t, head, L);
+    k_rows[t] = k_cache + off;
+    if (kf != nullptr) to_float<T, NV>(k_cache + off, kf + t * NV * W, int(L.head_dim));
+    to_float<T, NV>(v_cache + off, vf_ + t * NV * W, int(L.head_dim));
+  }
+}
+
+// Whether q.k can be taken on bf16 pairs directly (vdpbf16ps): bf16 storage, an AVX512-BF16 CPU,
+// and head_dim a multiple of 2W, so rows load as whole vectors of 2W bf16.
+template <typename T, int NV>
+constexpr bool bf16_dot() {
+  return ATTNSERVE_BF16_DOT && std::is_same_v<T, c10::BFloat16> && NV % 2 == 0;
+}
+
+#if ATTNSERVE_BF16_DOT
+inline __m512bh load_bf16_pairs(const void* p) { return (__m512bh)_mm512_loadu_si512(p); }
+#endif
+
+// A decode: one query token, KV heads [first, first + num), each head's group of query heads
+// as rows. Per chunk of W keys, a head's K/V rows are converted once; each row's W dot products
+// come out of one lane reduction. Taking all heads of a sequence in one item reads each block
+// whole, in address order. NV = head_dim / W rounded up (padding lanes are zero).
+template <typename T, int NV>
+void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, const T* k_cache, const T* v_cache,
+                   const Layout& L, float scale) {
+  constexpr int Dp = NV * W;
+  const int group = int(L.num_heads / L.num_kv_heads);
+  const int rows = w.num_heads * group;
+  const int64_t num_keys = sv.seq_len;
+  const int64_t token = sv.query_start + sv.num_queries - 1;
+
+  alignas(64) float qf[MAX_TILE_ROWS * Dp];
+  alignas(64) float acc[MAX_TILE_ROWS * Dp];
+  alignas(64) float kf[W * Dp];
+  alignas(64) float vfb[W * Dp];
+  alignas(64) float pf[W];
+  float mrow[MAX_TILE_ROWS], lrow[MAX_TILE_ROWS];
+
+  const int64_t first_qhead = int64_t(w.first_head) * group;  // row r is query head first_qhead + r
+  for (int r = 0; r < rows; ++r) {
+    float* dst = qf + r * Dp;
+    to_float<T, NV>(q + token * L.q_stride_t + (first_qhead + r) * L.q_stride_h, dst, int(L.head_dim));
+    for (int j = 0; j < NV; ++j) store(dst + j * W, load(dst + j * W) * scale);
+  }
+  std::fill(acc, acc + rows * Dp, 0.f);
+  std::fill(mrow, mrow + rows, NEG_INF);
+  std::fill(lrow, lrow + rows, 0.f);
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  vf part[W];
+  const T* k_rows[W];
+  const bool bf16_path = bf16_dot<T, NV>() && L.head_dim == Dp;  // else q.k on fp32 copies
+
+  // NOTE: a chunk's K and V rows for all the item's heads (adjacent in a row) are first copied
+  // out in address order: one sequential read per block, which DRAM streams 2-3x faster than
+  // the strided per-head reads the math would make; the math then reads the L1-resident copy
+  const int64_t span = w.num_heads * L.head_dim;
+  thread_local std::vector<T> stage;
+  stage.resize(size_t(2 * W * span));
+  T* ks = stage.data();
+  T* vs = ks + W * span;
+  for (int64_t key0 = 0; key0 < num_keys; key0 += W) {
+    const int nk = int(std::min<int64_t>(W, num_keys - key0));
+    for (int t = 0; t < nk; ++t) {
+      if (key0 + t + PREFETCH_KEYS < num_keys) {
+        prefetch_keys(k_cache, v_cache, sv, key0 + t + PREFETCH_KEYS, 1, w.first_head, span * int64_t(sizeof(T)), L);
+      }
+      const int64_t off = kv_offset<T>(sv, key0 + t, w.first_head, L);
+      std::memcpy(ks + t * span, k_cache + off, span * sizeof(T));
+      std::memcpy(vs + t * span, v_cache + off, span * sizeof(T));
+    }
+    for (int hh = 0; hh < w.num_heads; ++hh) {
+      for (int t = 0; t < nk; ++t) {
+        k_rows[t] = ks + t * span + hh * L.head_dim;
+        if (!bf16_path) to_float<T, NV>(k_rows[t], kf + t * Dp, int(L.head_dim));
+        to_float<T, NV>(vs + t * span + hh * L.head_dim, vfb + t * Dp, int(L.head_dim));
+      }
+      for (int r = hh * group; r < (hh + 1) * group; ++r) {
+        for (int t = nk; t < W; ++t) part[t] = vf{};
+        if constexpr (bf16_dot<T, NV>()) {
+#if ATTNSERVE_BF16_DOT
+          if (bf16_path) {
+            const T* qr = q + token * L.q_stride_t + (first_qhead + r) * L.q_stride_h;
+            __m512bh qv[NV / 2];
+            for (int j = 0; j < NV / 2; ++j) qv[j] = load_bf16_pairs(qr + j * 2 * W);
+            for (int t = 0; t < nk; ++t) {
+              __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], load_bf16_pairs(k_rows[t]));
+              for (int j = 1; j < NV / 2; ++j) d = _mm512_dpbf16_ps(d, qv[j], load_bf16_pairs(k_rows[t] + j * 2 * W));
+              part[t] = d;
+            }
+          }
+#endif
+        }
+        if (!bf16_path) {
+          const float* qr = qf + r * Dp;
+          vf qv[NV];
+          for (int j = 0; j < NV; ++j) qv[j] = load(qr + j * W);
+          for (int t = 0; t < nk; ++t) {
+            const float* kr = kf + t * Dp;
+            vf d = qv[0] * load(kr);
+            for (int j = 1; j < NV; ++j) d += qv[j] * load(kr + j * W);
+            part[t] = d;
+          }
+        }
+        const auto valid = lane < nk;
+        const vf s = valid ? reduce_lanes(part) * (bf16_path ? scale : 1.f) : splat(NEG_INF);
+        const float m_old = mrow[r], m_new = std::max(m_old, hmax(s));
+        const float correction = m_old == NEG_INF ? 0.f : std::exp(m_old - m_new);
+        const vf p = valid ? exp_neg(s - m_new) : vf{};
+        store(pf, p);
+        mrow[r] = m_new;
+        lrow[r] = lrow[r] * correction + hsum(p);
+        float* a = acc + r * Dp;
+        vf av[NV];
+        for (int j = 0; j < NV; ++j) av[j] = load(a + j * W) * correction;
+        for (int t = 0; t < nk; ++t) {
+          const float pt = pf[t];
+          const float* vr = vfb + t * Dp;
+          for (int j = 0; j < NV; ++j) av[j] += load(vr + j * W) * pt;
+        }
+        for (int j = 0; j < NV; ++j) store(a + j * W, av[j]);
+      }
+    }
+  }
+
+  for (int r = 0; r < rows; ++r) {
+    float* a = acc + r * Dp;
+    const float inv = 1.f / lrow[r];
+    for (int j = 0; j < NV; ++j) store(a + j * W, load(a + j * W) * inv);
+    from_float(a, out + token * L.out_stride_t + (first_qhead + r) * L.out_stride_h, int(L.head_dim));
+  }
+}
+
+// A prefill tile: up to W query rows of one KV head, one row per vector lane, so scores, the
+// online softmax and the accumulators are all lane-wise: no reductions across lanes. Per key, a
+// row's score is Dp FMAs against the key's elements broadcast; causality is a per-lane compare.
+template <typename T, int NV>
+void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const T* k_cache, const T* v_cache,
+                 const Layout& L, float scale) {
+  constexpr int Dp = NV * W, DB = 8;  // DB: accumulator vectors kept in registers at a time
+  static_assert(Dp % DB == 0);
+  const int group = int(L.num_heads / L.num_kv_heads);
+  const int D = int(L.head_dim);
+
+  alignas(64) float qT[Dp * W];  // [d][lane]
+  alignas(64) float accT[Dp * W];  // [d][lane]
+  alignas(64) float kf[W * Dp];
+  alignas(64) float vfb[W * Dp];
+  alignas(64) float row[Dp];
+  alignas(64) uint32_t qT2[(Dp / 2) * W];  // bf16 path: [dim pair][lane], q's raw bf16 pairs
+  const T* k_rows[W];
+  const bool bf16_path = bf16_dot<T, NV>() && L.head_dim == Dp;
+  vi pos;  // each lane's token position; -1 for unused lanes (no key is visible)
+  int64_t last = 0;
+  for (int l = 0; l < W; ++l) {
+    if (l >= w.num_rows) {
+      pos[l] = -1;
+      for (int d = 0; d < Dp; ++d) qT[d * W + l] = 0.f;
+      for (int j = 0; j < Dp / 2; ++j) qT2[j * W + l] = 0;
+      continue;
+    }
+    const int r = w.first_row + l;
+    const int64_t token = r / group;
+    pos[l] = int32_t(sv.position(token));
+    last = std::max<int64_t>(last, pos[l]);
+    const int64_t qhead = int64_t(w.first_head) * group + r % group;
+    const T* qr = q + (sv.query_start + token) * L.q_stride_t + qhead * L.q_stride_h;
+    if (bf16_path) {
+      for (int j = 0; j < Dp / 2; ++j) std::memcpy(qT2 + j * W + l, qr + 2 * j, sizeof(uint32_t));
+      continue;
+    }
+    to_float<T, NV>(qr, row, D);
+    for (int d = 0; d < Dp; ++d) qT[d * W + l] = row[d] * scale;
+  }
+  std::fill(accT, accT + Dp * W, 0.f);
+  vf m = splat(NEG_INF), lsum = vf{};
+  const int64_t num_keys = last + 1, head = w.first_head;
+
+  for (int64_t key0 = 0; key0 < num_keys; key0 += W) {
+    const int nk = int(std::min<int64_t>(W, num_keys - key0));
+    load_chunk<T, NV>(k_cache, v_cache, sv, key0, nk, head, L, bf16_path ? nullptr : kf, vfb, k_rows);
+    vf s[W];
+    for (int t = 0; t < W; ++t) s[t] = vf{};
+    if constexpr (bf16_dot<T, NV>()) {
+#if ATTNSERVE_BF16_DOT
+      if (bf16_path) {  // per pair of dims: the lanes' q pairs against each key's pair, broadcast
+        for (int j = 0; j < Dp / 2; ++j) {
+          const __m512bh qj = load_bf16_pairs(qT2 + j * W);
+          for (int t = 0; t < nk; ++t) {
+            int32_t pair;
+            std::memcpy(&pair, k_rows[t] + 2 * j, sizeof pair);
+            s[t] = _mm512_dpbf16_ps(s[t], qj, (__m512bh)_mm512_set1_epi32(pair));
+          }
+        }
+        for (int t = 0; t < nk; ++t) s[t] *= scale;
+      }
+#endif
+    }
+    if (bf16_path) {
+    } else if (nk == W) {  // full chunk: fixed trip counts, so the W accumulators stay in registers
+      for (int d = 0; d < Dp; ++d) {
+        const vf qd = load(qT + d * W);
+        for (int t = 0; t < W; ++t) s[t] += qd * kf[t * Dp + d];
+      }
+    } else {
+      for (int d = 0; d < Dp; ++d) {
+        const vf qd = load(qT + d * W);
+        for (int t = 0; t < nk; ++t) s[t] += qd * kf[t * Dp + d];
+      }
+    }
+    vf chunk_max = splat(NEG_INF);
+    for (int t = 0; t < nk; ++t) {
+      // NOTE: causality: key key0 + t is visible to the lanes whose token sits at or after it
+      s[t] = (pos >= int32_t(key0 + t)) ? s[t] : splat(NEG_INF);
+      chunk_max = vmax(chunk_max, s[t]);
+    }
+    const vf m_new = vmax(m, chunk_max);
+    const auto seen = m_new > splat(NEG_INF);  // lanes with at least one visible key so far
+    const vf correction = seen ? exp_neg(m - m_new) : vf{};
+    for (int t = 0; t < nk; ++t) {
+      s[t] = (seen && s[t] > splat(NEG_INF)) ? exp_neg(s[t] - m_new) : vf{};
+    }
+    lsum = lsum * correction;
+    for (int t = 0; t < nk; ++t) lsum += s[t];
+    m = m_new;
+    for (int d0 = 0; d0 < Dp; d0 += DB) {
+      vf a[DB];
+      for (int j = 0; j < DB; ++j) a[j] = load(accT + (d0 + j) * W) * correction;
+      for (int t = 0; t < nk; ++t) {
+        const float* vr = vfb + t * Dp + d0;
+        for (int j = 0; j < DB; ++j) a[j] += s[t] * vr[j];
+      }
+      for (int j = 0; j < DB; ++j) store(accT + (d0 + j) * W, a[j]);
+    }
+  }
+
+  for (int l = 0; l < w.num_rows; ++l) {
+    const int r = w.first_row + l;
+    const int64_t token = r / group;
+    const int64_t qhead = int64_t(w.first_head) * group + r % group;
+    const float inv = 1.f / lsum[l];
+    for (int d = 0; d < D; ++d) row[d] = accT[d * W + l] * inv;
+    from_float(row, out + (sv.query_start + token) * L.out_stride_t + qhead * L.out_stride_h, D);
+  }
+}
+
+template <typename T>
+void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                 const int64_t* slots, const Layout& L) {
+  const int64_t num_tokens = k.size(0), bs = L.block_size;
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t dst = (slots[t] >> L.block_shift) * L.cache_stride_block + (slots[t] & (bs - 1)) * L.cache_stride_tok;
+    for (int64_t h = 0; h < L.num_kv_heads; ++h) {
+      std::memcpy(kc + dst + h * L.cache_stride_head, kp + t * k.stride(0) + h * k.stride(1), L.head_dim * sizeof(T));
+      std::memcpy(vc + dst + h * L.cache_stride_head, vp + t * v.stride(0) + h * v.stride(1), L.head_dim * sizeof(T));
+    }
+  }
+}
+
+template <typename T, int NV>
+void attend_all(const T* q, T* out, const T* kc, const T* vc, const std::vector<WorkItem>& items,
+                const int32_t* tables, const int32_t* lens, const int32_t* starts, const Layout& L, float scale) {
+  const int64_t num_items = int64_t(items.size());
+  const int num_threads = std::max(1, std::min<int>(at::get_num_threads(), int(num_items)));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+  for (int64_t i = 0; i < num_items; ++i) {
+    const WorkItem& w = items[i];
+    const SeqView sv{tables + w.seq * L.table_stride, lens[w.seq], starts[w.seq], starts[w.seq + 1] - starts[w.seq]};
+    if (sv.num_queries == 1) {
+      attend_decode<T, NV>(w, sv, q, out, kc, vc, L, scale);
+    } else {
+      attend_rows<T, NV>(w, sv, q, out, kc, vc, L, scale);
+    }
+  }
+}
+
+template <typename T, int... NV>
+void dispatch_head_dim(int nv, std::integer_sequence<int, NV...>, const at::Tensor& q, at::Tensor& out,
+                       const at::Tensor& k_cache, const at::Tensor& v_cache, const std::vector<WorkItem>& items,
+                       const int32_t* tables, const int32_t* lens, const int32_t* starts, const Layout& L,
+                       float scale) {
+  ((nv == NV + 1 ? attend_all<T, NV + 1>(q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<T>(),
+                                         v_cache.data_ptr<T>(), items, tables, lens, starts, L, scale)
+                 : void()), ...);
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+         const at::Tensor& slot_mapping, at::Tensor& out, const std::vector<WorkItem>& items,
+         const int32_t* tables, const int32_t* lens, const int32_t* starts, const Layout& L, float scale) {
+  write_cache<T>(k, v, k_cache, v_cache, slot_mapping.data_ptr<int64_t>(), L);
+  const int nv = int((L.head_dim + W - 1) / W);
+  dispatch_head_dim<T>(nv, std::make_integer_sequence<int, MAX_NV>{}, q, out, k_cache, v_cache, items, tables,
+                       lens, starts, L, scale);
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                               const at::Tensor& query_start_loc, int64_t max_query_len,
+                               int64_t max_seq_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be (T, heads, head_dim)");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous (num_blocks, block_size, kv_heads, head_dim)");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must have one shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == q.scalar_type() &&
+                  v.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q, k, v and the caches must share one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "block_tables, seq_lens and query_start_loc must be int32");
+  TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
+              "metadata must be contiguous");
+  const int64_t block_size = k_cache.size(1);
+  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0, "block_size must be a power of two");
+  Layout L{q.size(1), k_cache.size(2), q.size(2), block_size, __builtin_ctzll(uint64_t(block_size)),
+           q.stride(0), q.stride(1), 0, 0,
+           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0)};
+  TORCH_CHECK(k_cache.size(3) == L.head_dim && k.size(1) == L.num_kv_heads && L.num_heads % L.num_kv_heads == 0,
+              "head shapes disagree");
+  TORCH_CHECK(L.head_dim <= MAX_NV * W, "head_dim above ", MAX_NV * W);
+  const int group = int(L.num_heads / L.num_kv_heads);
+  TORCH_CHECK(group <= MAX_TILE_ROWS, "more than ", MAX_TILE_ROWS, " query heads per KV head");
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && slot_mapping.size(0) == q.size(0),
+              "one slot per new token");
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs, "one row per sequence");
+  auto out = at::empty({q.size(0), L.num_heads, L.head_dim}, q.options());
+  L.out_stride_t = out.stride(0);
+  L.out_stride_h = out.stride(1);
+
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == q.size(0), "query_start_loc must span all tokens");
+  // NOTE: a decode takes all its KV heads in one item (whole block rows, in order) when there are
+  // enough sequences to keep every thread busy; otherwise one head each. Prefill rows go W a tile.
+  const bool whole_rows = num_seqs >= 2 * at::get_num_threads() && L.num_heads <= MAX_TILE_ROWS;
+  std::vector<WorkItem> items;
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    const int32_t nq = starts[s + 1] - starts[s];
+    TORCH_CHECK(nq >= 1 && nq <= lens[s], "each sequence needs 1..seq_len new tokens");
+    TORCH_CHECK((lens[s] + L.block_size - 1) / L.block_size <= block_tables.size(1), "block table too short");
+    if (nq == 1) {
+      const int32_t per_item = whole_rows ? int32_t(L.num_kv_heads) : 1;
+      for (int32_t h = 0; h < L.num_kv_heads; h += per_item) {
+        items.push_back({s, h, per_item, 0, group, int64_t(lens[s]) * per_item * group});
+      }
+      continue;
+    }
+    const int32_t num_rows = nq * group;
+    for (int32_t r0 = 0; r0 < num_rows; r0 += W) {
+      const int32_t n = std::min<int32_t>(W, num_rows - r0);
+      const int64_t keys = lens[s] - nq + (r0 + n - 1) / group + 1;  // keys seen by the tile's last row
+      for (int32_t h = 0; h < L.num_kv_heads; ++h) items.push_back({s, h, 1, r0, n, keys * W});
+    }
+  }
+  // NOTE: costliest first, handed out dynamically, so no long tile is left to run alone at the end
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+
+  if (q.scalar_type() == at::kBFloat16) {
+    run<c10::BFloat16>(q, k, v, k_cache, v_cache, slot_mapping, out, items, tables, lens, starts, L, float(scale));
+  } else {
+    run<float>(q, k, v, k_cache, v_cache, slot_mapping, out, items, tables, lens, starts, L, float(scale));
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnserve, CPU, m) {
+  m.impl("paged_attention", &paged_attention_cpu);
+}

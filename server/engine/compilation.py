@@ -1,0 +1,59 @@
+"""torch.compile (inductor) of the model step, so norms, RoPE, SwiGLU and residual adds fuse.
+
+One graph with dynamic sizes serves every step (any token count, any number of sequences,
+any block-table width): duck sizing and 0/1 specialisation are off, so batch-1 decode and a
+1024-token prefill share it. Paged attention and packed linears are opaque custom ops inside
+it. Compiled artifacts go to the attnserve cache (`inductor/`), so a restart loads them
+instead of compiling again; the engine warms the graph up while it starts, never during a
+request.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+from models.registry import cache_dir
+
+RECOMPILE_LIMIT = 64  # one process may compile several models (tests do); each is one entry
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (warm-up must leave none to do later)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def compile_model(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # NOTE: inductor fills in its /tmp default on first use (loading an HF model does), so only
+    # a directory someone chose on purpose is kept
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+    import torch.fx.experimental._config as fx_config
+
+    # NOTE: process-wide flags; they shape only how our model's graph is specialised
+    fx_config.use_duck_shape = False  # sizes that happen to be equal must not be assumed equal
+    fx_config.backed_size_oblivious = True  # a size of 1 (batch-1 decode) is not a special case
+    dynamo_config.specialize_float = True  # float attributes (norm eps) are constants, not inputs
+    inductor_config.emulate_precision_casts = True  # round bf16 intermediates as eager does: same tokens
+    inductor_config.cpp.dynamic_threads = True  # kernels follow the engine thread's torch.set_num_threads
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(model, dynamic=True, options={"guard_filter_fn": _skip_module_structure_guards})
+
+
+# Guards that re-check the module tree's structure on every call: its hooks dicts stay empty and
+# its attributes keep their types. Shape, dtype and value guards (parameters, config constants
+# such as eps or head counts) stay, so a different model never reuses another's graph.
+_STRUCTURE_GUARDS = frozenset({"EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT", "TYPE_MATCH"})
+
+
+def _skip_module_structure_guards(entries) -> list[bool]:
+    return [not (e.orig_guard.source.is_unspecialized_nn_module() and e.guard_type in _STRUCTURE_GUARDS)
+            for e in entries]
+
