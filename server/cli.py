@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 
@@ -48,21 +49,28 @@ def _read_prompts(args: argparse.Namespace, tokenizer) -> list[tuple[list[int], 
     return out
 
 
+def _engine_config(args: argparse.Namespace, model: str = "default"):
+    from server.engine.config import EngineConfig
+
+    return EngineConfig(
+        model=model, dtype=args.dtype, block_size=args.block_size,
+        kv_cache_memory=None if args.num_blocks else args.kv_cache_memory, num_blocks=args.num_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, num_threads=args.threads, enforce_eager=args.enforce_eager,
+        max_waiting=getattr(args, "max_waiting", None),
+    )
+
+
 def _generate(args: argparse.Namespace) -> int:
     import json
 
     import torch
 
-    from server.engine import EngineConfig, LLMEngine, SamplingParams
+    from server.engine import LLMEngine, SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = LLMEngine(EngineConfig(
-        model=args.model, dtype=args.dtype, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        enforce_eager=args.enforce_eager,
-    ))
+    engine = LLMEngine(_engine_config(args, args.model))
     prompts = _read_prompts(args, engine.tokenizer)
     params = [SamplingParams(max_tokens=m, temperature=args.temperature, seed=args.seed, top_p=args.top_p,
                              top_k=args.top_k, ignore_eos=args.ignore_eos) for _, m in prompts]
@@ -96,7 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from kvcache.storage import parse_size
+    from server.engine.config import parse_size
     from server.deployment import HUB_NAMESPACE, build_app, hub_name, required_cpus
     from server.openai_api import ApiLimits
     from server.serve_config import ServeConfig
@@ -106,13 +114,9 @@ def _serve(args: argparse.Namespace) -> int:
         lo, _, hi = args.autoscale.partition(":")
         autoscaling = {"min_replicas": int(lo), "max_replicas": int(hi or lo), "target_ongoing_requests": 32}
     cfg = ServeConfig(
-        models=_parse_models(args.model), dtype=args.dtype, block_size=args.block_size,
-        kv_cache_memory=None if args.num_blocks else args.kv_cache_memory, num_blocks=args.num_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, max_waiting=args.max_waiting, num_replicas=args.replicas,
+        models=_parse_models(args.model), engine=_engine_config(args), num_replicas=args.replicas,
         autoscaling=autoscaling, max_ongoing_requests=args.max_ongoing_requests, num_cpus=args.num_cpus,
-        num_gpus=args.num_gpus, threads=args.threads, enforce_eager=args.enforce_eager, api_key=args.api_key,
-        graceful_shutdown_timeout_s=args.drain_timeout,
+        num_gpus=args.num_gpus, api_key=args.api_key, graceful_shutdown_timeout_s=args.drain_timeout,
         limits=ApiLimits(max_n=args.max_n, max_tokens=args.max_tokens_limit,
                          max_body_bytes=parse_size(args.max_body_size),
                          max_concurrent_streams=args.max_concurrent_streams),
@@ -190,14 +194,25 @@ def _drain(app_name: str, timeout: float) -> int:
         time.sleep(0.5)
 
 
+def _defaults(cls) -> dict:
+    """A config dataclass's defaults: the CLI repeats none of them."""
+    return {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+            for f in dataclasses.fields(cls)}
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    from server.engine.config import EngineConfig
+
+    d = _defaults(EngineConfig)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d["dtype"])
     kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 1GiB or 512MiB")
+    kv.add_argument("--kv-cache-memory", default=d["kv_cache_memory"], help="KV cache budget, e.g. 1GiB or 512MiB")
     kv.add_argument("--num-blocks", type=int, help="exact number of KV blocks (overrides --kv-cache-memory)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="max running sequences")
+    p.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per KV block")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
+                   help="token budget per step")
+    p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"], help="max running sequences")
+    p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--threads", type=int, help="torch threads for model steps")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the model eagerly: no torch.compile (faster start, slower steps)")
@@ -230,27 +245,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
+    from server.openai_api import ApiLimits
+    from server.serve_config import ServeConfig
+
+    sd, ld = _defaults(ServeConfig), _defaults(ApiLimits)
     srv = sub.add_parser("serve", help="start Ray Serve with the OpenAI-compatible API")
     srv.add_argument("--model", action="append", metavar="NAME=PATH_OR_NAME",
                      help="a model to serve (repeatable); default: default=default")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--replicas", type=int, default=1, help="replicas per model")
+    srv.add_argument("--replicas", type=int, default=sd["num_replicas"], help="replicas per model")
     srv.add_argument("--autoscale", metavar="MIN:MAX", help="autoscale replicas per model between MIN and MAX")
-    srv.add_argument("--max-model-len", type=int)
     srv.add_argument("--max-waiting", type=int, help="bounded waiting queue per replica (429 beyond it)")
-    srv.add_argument("--max-ongoing-requests", type=int, default=256, help="Serve's per-replica concurrency cap")
+    srv.add_argument("--max-ongoing-requests", type=int, default=sd["max_ongoing_requests"], help="Serve's per-replica concurrency cap")
     srv.add_argument("--num-cpus", type=float, help="CPUs per model replica (default: an even share)")
-    srv.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per model replica (> 0 runs on CUDA)")
+    srv.add_argument("--num-gpus", type=float, default=sd["num_gpus"], help="GPUs per model replica (> 0 runs on CUDA)")
     srv.add_argument("--api-key", default=os.environ.get("ATTNSERVE_API_KEY"), help="require this Bearer key on /v1")
     srv.add_argument("--address", help="join this Ray cluster instead of starting a local one")
     srv.add_argument("--dashboard", action="store_true", help="start Ray's dashboard too")
     srv.add_argument("--app-name", default=APP_NAME, help="Serve application name")
-    srv.add_argument("--max-n", type=int, default=16, help="largest `n` a request may ask for")
-    srv.add_argument("--max-tokens-limit", type=int, default=8192, help="largest `max_tokens` a request may ask for")
-    srv.add_argument("--max-body-size", default="4MiB", help="larger request bodies get 413")
-    srv.add_argument("--max-concurrent-streams", type=int, default=1024, help="per ingress replica; beyond it 429")
-    srv.add_argument("--drain-timeout", type=float, default=20.0, help="seconds in-flight requests get on shutdown")
+    srv.add_argument("--max-n", type=int, default=ld["max_n"], help="largest `n` a request may ask for")
+    srv.add_argument("--max-tokens-limit", type=int, default=ld["max_tokens"], help="largest `max_tokens` a request may ask for")
+    srv.add_argument("--max-body-size", default=ld["max_body_bytes"], help="larger request bodies get 413")
+    srv.add_argument("--max-concurrent-streams", type=int, default=ld["max_concurrent_streams"], help="per ingress replica; beyond it 429")
+    srv.add_argument("--drain-timeout", type=float, default=sd["graceful_shutdown_timeout_s"], help="seconds in-flight requests get on shutdown")
     srv.add_argument("--route-prefix", default="/", help="HTTP route prefix of the application")
     _add_engine_args(srv)
     srv.set_defaults(func=_serve)

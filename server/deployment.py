@@ -20,7 +20,8 @@ from server.engine.config import EngineConfig
 from server.http_app import create_app
 from server.openai_api import ApiLimits, OpenAIApi
 from server.serve_config import ServeConfig
-from server.worker import Chunk, GenerateCall, ModelInfo, ModelWorker, PromptInfo
+from server.wire import Chunk, GenerateCall, ModelInfo, PromptInfo
+from server.worker import ModelWorker
 
 logger = logging.getLogger(__name__)
 FORWARDED_ENV = ("ATTNSERVE_CACHE_DIR", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "HF_HOME", "ATTNSERVE_CHAOS")
@@ -91,9 +92,9 @@ class ModelDeployment:
         return self.worker.is_healthy
 
     def check_health(self) -> None:
-        """Serve restarts the replica when this raises (the engine thread died)."""
+        """Serve restarts the replica when this raises (the engine process died)."""
         if not self.worker.is_healthy:
-            raise RuntimeError("engine thread is not running")
+            raise RuntimeError(f"engine process is not running: {self.worker.engine.dead}")
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[PromptInfo | Chunk]:
         # NOTE: Serve cancels this generator when the caller goes away; the worker's stream
@@ -110,11 +111,18 @@ class ModelDeployment:
     async def pid(self) -> int:
         return os.getpid()
 
+    async def engine_pid(self) -> int:
+        return self.worker.engine.pid
+
     async def inject_step_failures(self, count: int) -> None:
         """Chaos testing: the next `count` model steps raise. Refused unless ATTNSERVE_CHAOS=1."""
-        if os.environ.get("ATTNSERVE_CHAOS") != "1":
-            raise PermissionError("fault injection is disabled (set ATTNSERVE_CHAOS=1 on the replicas)")
+        _check_chaos()
         self.worker.inject_step_failures(count)
+
+    async def slow_steps(self, delay_s: float) -> None:
+        """Chaos testing: sleep before every model step. Refused unless ATTNSERVE_CHAOS=1."""
+        _check_chaos()
+        self.worker.slow_steps(delay_s)
 
     async def decode(self, token_ids: list[int]) -> str:
         return self.worker.decode(token_ids)
@@ -127,6 +135,11 @@ class ModelDeployment:
         worker = getattr(self, "worker", None)
         if worker is not None:
             worker.shutdown()
+
+
+def _check_chaos() -> None:
+    if os.environ.get("ATTNSERVE_CHAOS") != "1":
+        raise PermissionError("fault injection is disabled (set ATTNSERVE_CHAOS=1 on the replicas)")
 
 
 class RayModelClient:
@@ -186,7 +199,6 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
     """The bound Serve application for `args` (a ServeConfig or its dict form, e.g. from serve.yaml)."""
     cfg = args if isinstance(args, ServeConfig) else ServeConfig.from_args(args)
     cpus = cfg.replica_cpus(_cluster_cpus())
-    threads = cfg.threads or max(1, round(cpus))
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -199,7 +211,7 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
         models[name] = ModelDeployment.options(
             name=_deployment_name(name), max_ongoing_requests=cfg.max_ongoing_requests,
             ray_actor_options=actor_options, graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s, **scaling,
-        ).bind(name, cfg.engine_config(source, threads))
+        ).bind(name, cfg.engine_config(source, cpus))
     return OpenAIIngress.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
                                  graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s).bind(
         models, cfg.limits, cfg.api_key)

@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -58,29 +59,59 @@ class GuardMiddleware:
                                     code="invalid_api_key")(scope, receive, send)
         declared = headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
-            return await _too_large(limit)(scope, receive, send)
-        seen = 0
+            return await _too_large(limit, receive, send, body_done=False)
+        seen, over, body_done = 0, False, False
 
         async def limited_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, over, body_done
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if seen > limit:
+                    over = True
                     raise _BodyTooLarge()
             return message
+
+        async def guarded_send(message: Message) -> None:
+            if not over:  # the app's answer to _BodyTooLarge (FastAPI makes it a 400) is replaced by the 413
+                await send(message)
         try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await _too_large(limit)(scope, receive, send)
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not over:
+                raise
+        if over:
+            await _too_large(limit, receive, send, body_done)
 
 
 class _BodyTooLarge(Exception):
     pass
 
 
-def _too_large(limit: int) -> JSONResponse:
-    return _error(413, f"request body exceeds {limit} bytes", code="request_too_large")
+# NOTE: after a 413 the rest of the body is read and dropped (like nginx's lingering close): closing a
+# socket with unread data makes the kernel send RST, and a client still uploading (urllib, anything that
+# sends "Connection: close") gets "Connection reset by peer" instead of the 413. Capped in bytes and
+# time so a huge or slow-loris upload cannot hold the task; past the caps the connection is just closed.
+LINGER_MAX_BYTES = 64 * 2**20
+LINGER_MAX_SECONDS = 30.0
+
+
+async def _too_large(limit: int, receive: Receive, send: Send, body_done: bool) -> None:
+    """The 413's bytes go out first, so clients that read while uploading get it at once; the response
+    is only completed after the drain, because the server stops handing over the body once it is."""
+    response = _error(413, f"request body exceeds {limit} bytes", code="request_too_large")
+    await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": True})
+    dropped = 0
+    with anyio.move_on_after(LINGER_MAX_SECONDS):
+        while not body_done and dropped <= LINGER_MAX_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            dropped += len(message.get("body", b""))
+            body_done = not message.get("more_body", False)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _param(loc: tuple) -> str | None:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from server.worker import Chunk, GenerateCall, ModelInfo, ModelWorker, PromptInfo
+from server.wire import Chunk, GenerateCall, ModelInfo, PromptInfo
+from server.worker import ModelWorker
 
 
 class LocalModelClient:

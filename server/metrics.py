@@ -1,7 +1,8 @@
 """Per-request latency and KV memory against sequence length, per model, summed over replicas.
 
-A `MetricsRecorder` in each replica is fed by its engine thread and turned into plain-dict
-snapshots; snapshots from every replica (pushed to one hub actor in a cluster) are merged and
+A `MetricsRecorder` in each replica is fed values only: each finished request's `RequestStats`
+and the engine's latest `EngineStats`, both sent by the engine process with its outputs. It turns
+them into plain-dict snapshots; snapshots from every replica (pushed to one hub actor in a cluster) are merged and
 rendered here, for Prometheus (`render_prometheus`) and for the built-in dashboard
 (`dashboard_data`). No Ray imports: the transport lives in server/deployment.py.
 """
@@ -17,7 +18,7 @@ from typing import Any, Iterable
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from server.engine.request import Request
+from server.wire import EngineStats, ModelInfo, RequestStats
 
 PREFIX = "attnserve"
 MODEL_LABELS = ("model", "attention", "kv_heads")
@@ -94,12 +95,14 @@ COUNTERS = {
 
 
 class MetricsRecorder:
-    """Counts for one replica. `on_finished` runs on the engine thread, `snapshot` on the event loop."""
+    """Counts for one replica. `on_finished` runs on the engine reader thread, `snapshot` on the
+    metrics reporter's."""
 
-    def __init__(self, model: str, attention: str, kv_heads: int, max_model_len: int, num_blocks: int) -> None:
-        self.labels = {"model": model, "attention": attention, "kv_heads": str(kv_heads)}
-        token_buckets = one_two_five(1, max_model_len)
-        self.histograms = {name: _Histogram(b if b is not None else (one_two_five(1, num_blocks) if "blocks" in name
+    def __init__(self, model: str, info: ModelInfo) -> None:
+        self.info = info
+        self.labels = {"model": model, "attention": info.attention, "kv_heads": str(info.num_kv_heads)}
+        token_buckets = one_two_five(1, info.max_model_len)
+        self.histograms = {name: _Histogram(b if b is not None else (one_two_five(1, info.num_blocks) if "blocks" in name
                                                                   else token_buckets))
                            for name, (_, b, _) in HISTOGRAMS.items()}
         self.finish_reasons: dict[str, int] = {}
@@ -107,13 +110,12 @@ class MetricsRecorder:
         self.recent: deque = deque(maxlen=RECENT_REQUESTS)
         self.lock = threading.Lock()
 
-    def on_finished(self, req: Request) -> None:
-        s = req.stats
+    def on_finished(self, s: RequestStats, finish_reason: str) -> None:
         seq_len = s.num_prompt_tokens + s.num_output_tokens
         key = seq_len_bucket(seq_len)
         with self.lock:
-            self.finish_reasons[req.finish_reason] = self.finish_reasons.get(req.finish_reason, 0) + 1
-            if req.finish_reason == "error":
+            self.finish_reasons[finish_reason] = self.finish_reasons.get(finish_reason, 0) + 1
+            if finish_reason == "error":
                 self.errors["step_failed"] = self.errors.get("step_failed", 0) + 1
             h = self.histograms
             for name, value in (("time_to_first_token_seconds", s.ttft), ("e2e_request_latency_seconds", s.e2e_latency),
@@ -136,38 +138,39 @@ class MetricsRecorder:
         with self.lock:
             self.errors[kind] = self.errors.get(kind, 0) + 1
 
-    def snapshot(self, engine) -> dict[str, Any]:
+    def snapshot(self, e: EngineStats) -> dict[str, Any]:
         """Cumulative counts plus current gauges, as plain data (safe to pickle and merge)."""
-        sch, kv, spec = engine.scheduler, engine.kv, engine.kv_spec
+        info = self.info
         with self.lock:
             hist = {name: h.export() for name, h in self.histograms.items()}
             reasons, errors, recent = dict(self.finish_reasons), dict(self.errors), list(self.recent)
+        bytes_per_block = info.kv_bytes_per_token * info.block_size
         return {
             "labels": self.labels,
             "time": time.time(),
             "counters": {
-                "prompt_tokens": sch.num_prompt_tokens, "generation_tokens": engine.num_generated_tokens,
-                "prefix_cache_queries": sch.num_prefix_queries, "prefix_cache_hits": sch.num_prefix_hits,
-                "preemptions": sch.num_preemptions,
+                "prompt_tokens": e.num_prompt_tokens, "generation_tokens": e.num_generated_tokens,
+                "prefix_cache_queries": e.num_prefix_queries, "prefix_cache_hits": e.num_prefix_hits,
+                "preemptions": e.num_preemptions,
             },
             "finish_reasons": reasons,
             "errors": errors,
             "gauges": {
-                "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.num_used_blocks,
-                "kv_blocks_cached_free": kv.pool.num_cached_free_blocks,
-                "kv_bytes_total": kv.num_blocks * spec.bytes_per_block,
-                "kv_bytes_used": kv.num_used_blocks * spec.bytes_per_block,
-                "requests_running": len(sch.running), "requests_waiting": len(sch.waiting),
-                "resident_memory_bytes": _rss_bytes(),
+                "kv_blocks_total": info.num_blocks, "kv_blocks_used": e.num_used_blocks,
+                "kv_blocks_cached_free": e.num_cached_free_blocks,
+                "kv_bytes_total": info.num_blocks * bytes_per_block,
+                "kv_bytes_used": e.num_used_blocks * bytes_per_block,
+                "requests_running": e.num_running, "requests_waiting": e.num_waiting,
+                "resident_memory_bytes": resident_memory_bytes() + e.resident_memory_bytes,
             },
-            "static": {"kv_bytes_per_token": spec.bytes_per_token, "block_size": spec.block_size,
-                       "max_model_len": engine.max_model_len},
+            "static": {"kv_bytes_per_token": info.kv_bytes_per_token, "block_size": info.block_size,
+                       "max_model_len": info.max_model_len},
             "histograms": hist,
             "recent": recent,
         }
 
 
-def _rss_bytes() -> int:
+def resident_memory_bytes() -> int:
     """This process's resident memory (Linux /proc; 0 elsewhere)."""
     try:
         with open("/proc/self/statm") as f:

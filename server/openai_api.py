@@ -10,11 +10,10 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Protocol
 
-from server.engine.engine import QueueFullError
-from server.engine.errors import InvalidRequestError
+from server.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from server.engine.sampling_params import SamplingParams
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
-from server.worker import Chunk, GenerateCall, LogprobEntry, ModelInfo, PromptInfo
+from server.wire import Chunk, GenerateCall, LogprobEntry, ModelInfo, PromptInfo
 
 
 class ModelClient(Protocol):
@@ -58,6 +57,7 @@ def sse(data: dict[str, Any] | str) -> str:
 @dataclass
 class _Sample:
     text: str = ""
+    num_tokens_so_far: int = 0
     finish_reason: str | None = None
     logprobs: list[LogprobEntry] | None = None
     num_cached_tokens: int = 0
@@ -223,9 +223,11 @@ class OpenAIApi:
             raise
         created, n = int(time.time()), body.n
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            opts = body.stream_options
+            usage = ("continuous" if opts and opts.continuous_usage_stats else
+                     "final" if opts and opts.include_usage else None)
             return SSEStream(self._stream(streams, rid, obj + (".chunk" if chat else ""), created, body.model, n,
-                                          chat, include_usage), streams, self._release_stream)
+                                          chat, usage), streams, self._release_stream)
         try:
             samples = [[_Sample() for _ in range(n)] for _ in streams]
             async for i, chunk in self._merge(streams):
@@ -246,8 +248,10 @@ class OpenAIApi:
         return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices,
                 "usage": _usage([info for _, info in streams], samples)}
 
-    async def _stream(self, streams, rid, obj, created, model, n, chat, include_usage) -> AsyncIterator[str]:
+    async def _stream(self, streams, rid, obj, created, model, n, chat, usage: str | None) -> AsyncIterator[str]:
+        """`usage`: None, "final" (one last usage chunk) or "continuous" (usage so far on every chunk too)."""
         samples = [[_Sample() for _ in range(n)] for _ in streams]
+        infos = [info for _, info in streams]
         head = {"id": rid, "object": obj, "created": created, "model": model}
         try:
             if chat:
@@ -266,9 +270,12 @@ class OpenAIApi:
                 else:
                     choice["text"] = chunk.text
                     choice["logprobs"] = _completion_logprobs(chunk.logprobs) if chunk.logprobs else None
-                yield sse({**head, "choices": [choice]})
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": _usage([info for _, info in streams], samples)})
+                event = {**head, "choices": [choice]}
+                if usage == "continuous":
+                    event["usage"] = _usage_so_far(infos, samples)
+                yield sse(event)
+            if usage is not None:
+                yield sse({**head, "choices": [], "usage": _usage(infos, samples)})
         except ApiError as e:
             yield sse(e.body())
         yield sse("[DONE]")
@@ -304,6 +311,7 @@ class SSEStream:
 # ---- formatting helpers (pure) -----------------------------------------------------------------
 def _accumulate(s: _Sample, chunk: Chunk) -> None:
     s.text += chunk.text
+    s.num_tokens_so_far += len(chunk.token_ids)
     if chunk.logprobs:
         s.logprobs = (s.logprobs or []) + list(chunk.logprobs)
     if chunk.finish_reason is not None:
@@ -319,6 +327,12 @@ def _usage(infos: list[PromptInfo], samples: list[list[_Sample]]) -> dict[str, A
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
             "kv_cache_bytes": sum(s.peak_kv_bytes for group in samples for s in group)}
+
+
+def _usage_so_far(infos: list[PromptInfo], samples: list[list[_Sample]]) -> dict[str, int]:
+    prompt = sum(i.num_prompt_tokens for i in infos)
+    completion = sum(s.num_tokens_so_far for group in samples for s in group)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _completion_logprobs(entries: list[LogprobEntry] | tuple[LogprobEntry, ...]) -> dict[str, Any]:
@@ -345,6 +359,8 @@ def _as_api_error(e: BaseException) -> BaseException:
         return ApiError(429, str(e), type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
     if isinstance(e, asyncio.CancelledError):
         return e
+    if isinstance(e, EngineDeadError):
+        return ApiError(503, str(e), type_="server_error", code="engine_dead")
     return ApiError(503, f"model replica failed: {type(e).__name__}: {e}", type_="server_error", code="replica_error")
 
 

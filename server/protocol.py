@@ -5,6 +5,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
+from server.engine.sampling_params import MAX_LOGPROBS, MAX_TEMPERATURE
+
 
 
 class _Body(BaseModel):
@@ -22,7 +24,7 @@ class _SamplingFields(_Body):
     n: StrictInt = Field(1, ge=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: StrictInt | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
@@ -114,7 +116,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")

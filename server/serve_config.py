@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from server.engine.config import EngineConfig
@@ -15,23 +15,15 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 @dataclass(frozen=True)
 class ServeConfig:
     models: dict[str, str] = field(default_factory=lambda: {"default": "default"})  # served name -> path or name
-    dtype: str = "bfloat16"
-    block_size: int = 16
-    kv_cache_memory: str | int | None = "1GiB"
-    num_blocks: int | None = None
-    max_num_batched_tokens: int = 1024
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    max_waiting: int | None = None
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # True: no torch.compile of the model step
+    # every model's engine settings; `model` and `device` are set per model, and `num_threads`
+    # (torch threads per replica) defaults to round(num_cpus)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # serve.yaml: a mapping of EngineConfig fields
     num_replicas: int = 1
     model_replicas: dict[str, int] | None = None  # per-model override of num_replicas
     autoscaling: dict[str, Any] | None = None  # Serve autoscaling_config, e.g. {"min_replicas": 1, "max_replicas": 4}
     max_ongoing_requests: int = 256  # Serve's default of 5 would cap continuous batching
     num_cpus: float | None = None  # per model replica; None = share the cluster's CPUs evenly
     num_gpus: float = 0.0  # per model replica; > 0 runs the engine on CUDA
-    threads: int | None = None  # torch threads per replica; None = round(num_cpus)
     api_key: str | None = None
     graceful_shutdown_timeout_s: float = 20.0  # on shutdown, in-flight requests get this long to finish
     limits: ApiLimits = field(default_factory=ApiLimits)  # serve.yaml: a mapping of ApiLimits fields
@@ -65,16 +57,14 @@ class ServeConfig:
             raise ValueError(f"unknown serve arguments: {sorted(unknown)}; known: {sorted(known)}")
         if isinstance(args.get("limits"), dict):
             args["limits"] = ApiLimits(**args["limits"])
+        if isinstance(args.get("engine"), dict):
+            args["engine"] = EngineConfig(**args["engine"])
         return cls(**args)
 
-    def engine_config(self, model: str, threads: int | None = None) -> EngineConfig:
-        return EngineConfig(
-            model=model, dtype=self.dtype, block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
-            num_blocks=self.num_blocks, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, max_waiting=self.max_waiting,
-            num_threads=threads, enable_prefix_caching=self.enable_prefix_caching,
-            enforce_eager=self.enforce_eager, device="cuda" if self.num_gpus > 0 else "cpu",
-        )
+    def engine_config(self, model: str, cpus: float = 1.0) -> EngineConfig:
+        """One model's engine on a replica of `cpus` CPUs."""
+        threads = self.engine.num_threads or max(1, round(cpus))
+        return replace(self.engine, model=model, num_threads=threads, device="cuda" if self.num_gpus > 0 else "cpu")
 
     def replicas(self, model: str) -> int:
         """Replicas a model starts with."""

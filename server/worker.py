@@ -4,67 +4,18 @@ No Ray here: the Serve deployment wraps a ModelWorker, and unit tests can use on
 """
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import Any, AsyncIterator, Sequence
 
-from server.engine import EngineConfig, LLMEngine, QueueFullError, SamplingParams
-from server.engine.async_engine import AsyncEngine
-from server.engine.errors import InvalidRequestError
-from server.engine.request import RequestOutput, TokenLogprob
+from models.loader import load_tokenizer
+from models.registry import resolve_model
+from server.engine.admission import check_token_ids, validate_request
+from server.engine.config import EngineConfig
+from server.engine.core_client import EngineCoreClient
+from server.engine.errors import InvalidRequestError, QueueFullError
 from server.metrics import MetricsRecorder
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the API layer needs to know of a model (/v1/models, context checks)."""
-
-    max_model_len: int
-    attention: str  # mha | gqa | mqa
-    num_kv_heads: int
-    kv_bytes_per_token: int
-
-
-@dataclass(frozen=True)
-class LogprobEntry:
-    token: str
-    logprob: float
-    bytes: tuple[int, ...]
-    top: tuple[tuple[str, float, tuple[int, ...]], ...]
-
-
-@dataclass(frozen=True)
-class GenerateCall:
-    """One prompt (text, token ids, or chat messages) and how to sample it."""
-
-    params: SamplingParams
-    prompt: str | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
-    messages: tuple[dict, ...] | None = None
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    fit_max_tokens: bool = False  # max_tokens not given: use what the context leaves (capped by params)
-
-
-@dataclass(frozen=True)
-class PromptInfo:
-    """First item of every generation stream."""
-
-    num_prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Text and tokens one step added to one sample; final chunks carry the accounting."""
-
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[LogprobEntry, ...] = ()
-    finish_reason: str | None = None
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    peak_kv_bytes: int = 0
-    error: str | None = None
+from server.wire import (Chunk, GenerateCall, LogprobEntry, ModelInfo, PromptInfo, RequestOutput, StepOutputs,
+                         TokenLogprob)
 
 
 def _byte_level_table() -> dict[str, int]:
@@ -90,47 +41,42 @@ def byte_level_bytes(piece: str) -> tuple[int, ...] | None:
 
 
 class ModelWorker:
+    """The replica's asyncio side: tokenizer, chat template, admission, logprob strings. The
+    engine runs in its own process (`EngineCoreClient`)."""
+
     def __init__(self, name: str, config: EngineConfig) -> None:
         self.name = name
-        self.engine = LLMEngine(config)
-        self.tokenizer = self.engine.tokenizer
-        cfg = self.engine.model_config
-        self.metrics = MetricsRecorder(name, cfg.attention_kind, cfg.num_kv_heads, self.engine.max_model_len,
-                                       self.engine.kv.num_blocks)
-        self.engine.on_finished = self.metrics.on_finished
-        self.async_engine = AsyncEngine(self.engine, config.num_threads)
-        self.info = ModelInfo(self.engine.max_model_len, cfg.attention_kind, cfg.num_kv_heads,
-                              self.engine.kv_spec.bytes_per_token)
+        self.tokenizer = load_tokenizer(resolve_model(config.model))
+        self.metrics: MetricsRecorder | None = None
+        self.engine = EngineCoreClient(config, on_outputs=self._account)
+        self.info: ModelInfo = self.engine.info
+        self.metrics = MetricsRecorder(name, self.info)
+
+    def _account(self, step: StepOutputs) -> None:
+        if self.metrics is not None:
+            for out in step.outputs:
+                if out.finished and out.stats is not None:
+                    self.metrics.on_finished(out.stats, out.finish_reason)
 
     @property
     def is_healthy(self) -> bool:
-        return self.async_engine.is_alive
+        return self.engine.is_alive
 
     def inject_step_failures(self, count: int) -> None:
         """Make the next `count` model steps raise (chaos testing of the failure path)."""
-        runner, real = self.engine.runner, self.engine.runner.execute
-        remaining = [count]
+        self.engine.inject_step_failures(count)
 
-        def failing(batch):
-            if remaining[0] > 0:
-                remaining[0] -= 1
-                raise RuntimeError("injected model step failure")
-            return real(batch)
-        runner.execute = failing
+    def slow_steps(self, delay_s: float) -> None:
+        """Sleep `delay_s` before every model step (chaos testing: in-flight requests stay in flight)."""
+        self.engine.slow_steps(delay_s)
 
     def snapshot(self) -> dict[str, Any]:
         """Metrics snapshot (cumulative counts + current gauges) for aggregation across replicas."""
-        return self.metrics.snapshot(self.engine)
+        return self.metrics.snapshot(self.engine.stats)
 
     def stats(self) -> dict[str, int]:
-        """A racy but consistent-enough snapshot of engine state (read from the API thread)."""
-        e, sch = self.engine, self.engine.scheduler
-        return {
-            "num_blocks": e.kv.num_blocks, "num_used_blocks": e.kv.num_used_blocks,
-            "num_running": len(sch.running), "num_waiting": len(sch.waiting),
-            "num_unfinished_groups": len(e.groups), "num_preemptions": sch.num_preemptions,
-            "num_steps": e.num_steps, "num_step_errors": e.num_step_errors,
-        }
+        """The engine's latest stats value, as sent with its last outputs."""
+        return {k: v for k, v in asdict(self.engine.stats).items() if k != "time"}
 
     def encode(self, prompt: str | None = None, messages: Sequence[dict] | None = None,
                add_special_tokens: bool = True) -> list[int]:
@@ -143,9 +89,7 @@ class ModelWorker:
         return list(self.tokenizer(prompt or "", add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        vocab = self.engine.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"token ids must be integers in [0, {vocab})", "tokens")
+        check_token_ids(self.info, token_ids, "tokens")
         return self.tokenizer.decode(list(token_ids))
 
     def _token_str(self, token_id: int) -> tuple[str, tuple[int, ...]]:
@@ -178,7 +122,8 @@ class ModelWorker:
         if call.fit_max_tokens:
             params = replace(params, max_tokens=max(1, min(params.max_tokens, self.info.max_model_len - len(ids))))
         try:
-            stream = self.async_engine.generate(ids, params, call.request_id, coalesce=True)
+            validate_request(self.info, ids, params)  # NOTE: the one validation of a request
+            stream = self.engine.generate(ids, params, call.request_id, coalesce=True)
         except InvalidRequestError:
             self.metrics.on_error("invalid_request")
             raise
@@ -186,12 +131,8 @@ class ModelWorker:
             self.metrics.on_error("queue_full")
             raise
         yield PromptInfo(len(ids))
-        try:
-            async for out in stream:
-                yield self._chunk(out)
-        except QueueFullError:
-            self.metrics.on_error("queue_full")
-            raise
+        async for out in stream:
+            yield self._chunk(out)
 
     def _chunk(self, out: RequestOutput) -> Chunk:
         s = out.stats
@@ -206,4 +147,4 @@ class ModelWorker:
         )
 
     def shutdown(self) -> None:
-        self.async_engine.shutdown()
+        self.engine.shutdown()

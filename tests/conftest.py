@@ -72,12 +72,14 @@ def serve_url(ray_session, tiny_variants) -> str:
 
     from server.deployment import build_app
     from server.openai_api import ApiLimits
+    from server.engine.config import EngineConfig
     from server.serve_config import ServeConfig
 
     cfg = ServeConfig(
-        models={name: str(path) for name, path in tiny_variants.items()}, dtype="float32", block_size=4,
-        kv_cache_memory=None, num_blocks=256, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=32,
-        num_cpus=0.25, threads=1, limits=ApiLimits(max_n=4, max_tokens=200, max_body_bytes=1024 * 1024),
+        models={name: str(path) for name, path in tiny_variants.items()},
+        engine=EngineConfig(dtype="float32", block_size=4, kv_cache_memory=None, num_blocks=256, max_model_len=256,
+                            max_num_batched_tokens=256, max_num_seqs=32, num_threads=1),
+        num_cpus=0.25, limits=ApiLimits(max_n=4, max_tokens=200, max_body_bytes=1024 * 1024),
         model_replicas={"tiny-gqa": 2},
     )
     serve.run(build_app(cfg), name=TINY_APP, route_prefix="/")

@@ -1,6 +1,8 @@
 """API logic in-process (no Ray): request validation and OpenAI-shaped errors, via ASGI."""
 import asyncio
 import json
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -108,6 +110,22 @@ def test_streaming_sse_format(app):
     assert any(c["choices"] and c["choices"][0]["finish_reason"] for c in chunks)
 
 
+def test_continuous_usage_stats_count_tokens_as_they_stream(app):
+    body = {"model": "tiny", "prompt": "1 2 3", "max_tokens": 9, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    resp = call(app, "POST", "/v1/completions", json=body)
+    events = [json.loads(line[6:]) for line in resp.text.split("\n\n") if line.startswith("data: {")]
+    *chunks, final = events
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 9
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 9 and len(set(counts)) == len(counts)  # grows every chunk
+    prompt = final["usage"]["prompt_tokens"]
+    assert all(c["usage"]["prompt_tokens"] == prompt and c["usage"]["total_tokens"] == prompt + n
+               for c, n in zip(chunks, counts))
+    plain = call(app, "POST", "/v1/completions", json={**body, "stream_options": {"include_usage": True}})
+    assert all("usage" not in json.loads(line[6:]) for line in plain.text.split("\n\n")[:-3] if line.startswith("data: {"))
+
+
 def test_api_key_guard(api):
     keyed = create_app(api, api_key="s3cret")
     assert_error(call(keyed, "GET", "/v1/models"), 401)
@@ -162,3 +180,10 @@ def test_weights_are_never_loaded_with_remote_code_or_pickle():
             text = path.read_text()
             assert "trust_remote_code=True" not in text, path
             assert "torch.load(" not in text and "pickle.load" not in text, path
+
+
+def test_api_layer_does_not_import_torch():
+    code = ("import sys; import server.http_app, server.openai_api, server.protocol, server.wire, "
+            "server.engine.errors, server.engine.config; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

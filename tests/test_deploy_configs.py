@@ -18,8 +18,15 @@ def test_serve_yaml_args_are_a_valid_serve_config():
     assert app["import_path"] == "server.deployment:build_app"
     cfg = ServeConfig.from_args(app["args"])
     assert cfg.models == {"default": "default"} and cfg.max_ongoing_requests > 5
-    assert cfg.enforce_eager is False and not cfg.engine_config("default").enforce_eager  # compiled step
-    assert ServeConfig.from_args({**app["args"], "enforce_eager": True}).engine_config("default").enforce_eager
+    assert cfg.engine.enforce_eager is False and not cfg.engine_config("default").enforce_eager  # compiled step
+    eager = {**app["args"], "engine": {**app["args"]["engine"], "enforce_eager": True}}
+    assert ServeConfig.from_args(eager).engine_config("default").enforce_eager
+    one = cfg.engine_config("m", cpus=2.0)  # the replica's engine: the shared settings, its model and threads
+    assert (one.model, one.num_threads, one.dtype, one.block_size) == ("m", 2, "bfloat16", 16)
+    with pytest.raises(ValueError, match="block_size must be a positive power of two"):
+        ServeConfig.from_args({**app["args"], "engine": {"block_size": 3}})
+    with pytest.raises(TypeError):  # engine fields are not ServeConfig fields
+        ServeConfig.from_args({**app["args"], "engine": {"replicas": 3}})
     limited = ServeConfig.from_args({**app["args"], "limits": {"max_n": 2, "max_tokens": 512}})
     assert (limited.limits.max_n, limited.limits.max_tokens, limited.limits.max_prompts) == (2, 512, 32)
     with pytest.raises(ValueError, match="API limits must be positive"):
@@ -43,11 +50,12 @@ def test_gpu_rayservice_differs_only_by_gpus_and_block_size():
     (app,) = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"]
     (expected,) = serve_yaml()["applications"]
     assert app["args"].pop("num_gpus") == 1
-    assert app["args"]["block_size"] == 256 and ServeConfig.from_args({**app["args"], "num_gpus": 1})
+    engine = app["args"]["engine"]
+    assert engine["block_size"] == 256 and ServeConfig.from_args({**app["args"], "num_gpus": 1})
     with pytest.raises(ValueError, match="on CUDA block_size must be a multiple of 256"):
-        ServeConfig.from_args({**app["args"], "num_gpus": 1, "block_size": 16})
-    app["args"]["block_size"] = expected["args"]["block_size"]
+        ServeConfig.from_args({**app["args"], "num_gpus": 1, "engine": {**engine, "block_size": 16}})
+    assert ServeConfig.from_args({**app["args"], "num_gpus": 1}).engine_config("default").device == "cuda"
+    engine["block_size"] = expected["args"]["engine"]["block_size"]
     assert app == expected
     (workers,) = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert ServeConfig.from_args({**app["args"], "num_gpus": 1, "block_size": 256}).engine_config("default").device == "cuda"

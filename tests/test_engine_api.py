@@ -1,4 +1,5 @@
-"""The engine's public surface: admission errors, async streaming, abort, accounting, failures, CLI."""
+"""The engine's public surface: admission errors, the engine process (streaming, abort, death),
+accounting, failures, CLI."""
 import asyncio
 import json
 import os
@@ -9,7 +10,8 @@ import pytest
 
 from models import load_model, load_tokenizer
 from server.engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
-from server.engine.async_engine import AsyncEngine
+from server.engine.core_client import EngineCoreClient
+from server.engine.errors import EngineDeadError
 
 
 @pytest.fixture(scope="module")
@@ -58,44 +60,76 @@ def test_accounting_on_the_request(parts):
     assert stats.prefill_time >= 0
 
 
-def test_async_stream_and_abort_frees_blocks(parts):
-    engine = make_engine(parts)
-    aengine = AsyncEngine(engine)
+def test_engine_process_streams_and_abort_frees_blocks(parts):
+    client = EngineCoreClient(EngineConfig(model=str(parts[0]), dtype="float32", num_blocks=64, block_size=4,
+                                           max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=True))
+    assert client.pid != os.getpid() and client.is_alive
+    greedy = dict(temperature=0, ignore_eos=True)
+
+    def used_blocks():
+        return client.stats.num_used_blocks
+
+    async def settle():
+        for _ in range(200):
+            if used_blocks() == 0 and client.stats.num_unfinished_groups == 0:
+                return
+            await asyncio.sleep(0.01)
 
     async def main():
-        chunks = []
-        async for out in aengine.generate(list(range(5, 25)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)):
-            chunks.append(out)
+        chunks = [out async for out in client.generate(list(range(5, 25)), SamplingParams(max_tokens=6, **greedy))]
         assert [len(c.new_token_ids) for c in chunks] == [1] * 6 and chunks[-1].finished
         assert chunks[-1].finish_reason == "length" and chunks[-1].stats.num_output_tokens == 6
 
-        stream = aengine.generate(list(range(5, 40)), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        stream = client.generate(list(range(5, 40)), SamplingParams(max_tokens=40, **greedy))
         seen = 0
         async for _ in stream:
             seen += 1
             if seen == 3:
-                assert engine.kv.num_used_blocks > 0
+                assert used_blocks() > 0
                 break  # a client that goes away
         await stream.aclose()
-        for _ in range(200):
-            if engine.kv.num_used_blocks == 0 and not engine.has_unfinished():
-                break
-            await asyncio.sleep(0.01)
-        assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
-
-        with pytest.raises(InvalidRequestError):  # raised before any streaming starts
-            aengine.generate([], SamplingParams())
+        await settle()
+        assert used_blocks() == 0 and client.stats.num_unfinished_groups == 0
 
         async def consume(i):
-            return [o async for o in aengine.generate([7 + i] * (5 + i), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))]
+            return [o async for o in client.generate([7 + i] * (5 + i), SamplingParams(max_tokens=5, **greedy))]
         results = await asyncio.gather(*(consume(i) for i in range(8)))
         assert all(r[-1].finished and sum(len(o.new_token_ids) for o in r) == 5 for r in results)
+        await settle()
+
+    try:
+        asyncio.run(main())
+        assert used_blocks() == 0
+        assert client.stats.num_adds_received == 10 and client.stats.num_generated_tokens >= 6 + 3 + 40
+    finally:
+        client.shutdown()
+    assert client.process.poll() is not None and not client.is_alive
+
+
+def test_killed_engine_process_ends_every_open_stream(parts):
+    client = EngineCoreClient(EngineConfig(model=str(parts[0]), dtype="float32", num_blocks=64, block_size=4,
+                                           enforce_eager=True))
+
+    async def main():
+        streams = [client.generate([5 + i] * 8, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+                   for i in range(4)]
+        firsts = [await s.__anext__() for s in streams]
+        assert all(not f.finished for f in firsts)
+        client.process.kill()
+
+        async def drain(s):
+            with pytest.raises(EngineDeadError):
+                async for _ in s:
+                    pass
+        await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), timeout=30)
+        assert not client.is_alive
+        with pytest.raises(EngineDeadError):
+            client.generate([5], SamplingParams())
 
     try:
         asyncio.run(main())
     finally:
-        aengine.shutdown()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        client.shutdown()
 
 
 def test_failed_step_fails_its_requests_and_engine_keeps_serving(parts):
@@ -119,7 +153,7 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(parts):
 
 
 def test_engine_does_not_import_ray():
-    code = "import sys; import server.engine.async_engine, server.engine; print('ray' in sys.modules)"
+    code = "import sys; import server.engine.core, server.engine.core_client; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -28,6 +28,28 @@ def test_workload_is_deterministic_and_follows_its_length_distribution():
     assert len(prefixes) == 1  # one shared system passage
 
 
+def test_compare_http_burst_prompts_vllm_command_and_skip(tiny_checkpoints, tmp_path, capsys):
+    """Burst prompts are exact, distinct and seeded; vLLM gets both cores and is skipped without its venv."""
+    from loadtests.burst import burst_prompts
+    from loadtests.compare_http import KEYS, main, server
+
+    a, b = burst_prompts(384, 4, 16, 0), burst_prompts(384, 4, 16, 1)
+    assert a == burst_prompts(384, 4, 16, 0) and all(len(p) == 16 and min(p) >= 100 for p in a + b)
+    assert len({tuple(p[:16]) for p in a + b}) == 8  # no two share a first KV block
+    cmd, model, env = server("vllm", tmp_path, 8000, "bfloat16", 2, tmp_path / "peers")
+    assert cmd[:4] == [str(tmp_path / "peers" / "bin" / "python"), "-P", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "--enable-prefix-caching" in cmd and model == "default" and "OMP_NUM_THREADS" not in env
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    with pytest.raises(SystemExit):
+        main(["--mode", "burst", "--systems", "transformers_serve"])
+    out = tmp_path / "burst.json"
+    main(["--mode", "burst", "--systems", "vllm", "--model", str(tiny_checkpoints["llama"]),
+          "--peers-venv", str(tmp_path / "missing"), "--json", str(out), "--out", str(tmp_path / "out")])
+    assert "vllm: skipped" in capsys.readouterr().out
+    row = json.loads(out.read_text())["vllm"]
+    assert set(KEYS) <= set(row) and row["output_tokens_per_s"] is None and "make peers" in row["skipped"]
+
+
 @pytest.mark.slow
 def test_short_headless_locust_run(serve_url, tmp_path):
     from matplotlib.image import imread

@@ -11,7 +11,8 @@ import torch
 
 from kvcache import ops
 from kvcache.paged_attention import AttentionMetadata, PagedAttention
-from kvcache.storage import KVCacheSpec, PagedKVCache, parse_size
+from kvcache.storage import KVCacheSpec, PagedKVCache
+from server.engine.config import parse_size
 from models.attention import reference_attention
 from tests.reference import hf_greedy, load_hf
 

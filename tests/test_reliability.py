@@ -25,12 +25,15 @@ def chaos_url(serve_url, tiny_variants):
 
     from server.deployment import build_app
     from server.openai_api import ApiLimits
+    from server.engine.config import EngineConfig
     from server.serve_config import ServeConfig
 
     os.environ["ATTNSERVE_CHAOS"] = "1"  # forwarded to the replicas of apps built from now on
-    cfg = ServeConfig(models={"chaos": str(tiny_variants["tiny-gqa"])}, dtype="float32", block_size=4,
-                      kv_cache_memory=None, num_blocks=48, max_model_len=160, max_num_batched_tokens=64,
-                      max_num_seqs=8, max_waiting=16, num_cpus=0.25, threads=1, api_key=CHAOS_KEY,
+    cfg = ServeConfig(models={"chaos": str(tiny_variants["tiny-gqa"])},
+                      engine=EngineConfig(dtype="float32", block_size=4, kv_cache_memory=None, num_blocks=48,
+                                          max_model_len=160, max_num_batched_tokens=64, max_num_seqs=8,
+                                          max_waiting=16, num_threads=1),
+                      num_cpus=0.25, api_key=CHAOS_KEY,
                       limits=ApiLimits(max_tokens=100))
     serve.run(build_app(cfg), name=CHAOS_APP, route_prefix="/chaos")
     yield f"{serve_url}/chaos"
@@ -106,35 +109,68 @@ def poll_health_until_recovered(url: str, codes: list[int], timeout_s: float = 1
         time.sleep(0.1)
 
 
-def test_replica_killed_under_load_restarts_and_recovers(chaos_url):
-    pid = chaos_handle().pid.remote().result()
+def kill_under_load(url: str, pid: int) -> tuple[list[list], list[int]]:
+    """Kill `pid` while 4 streams run; return each stream's events and the /health codes from the kill
+    until recovery. Fails if a stream hangs or ends without an error or [DONE]."""
     body = {"model": "chaos", "prompt": "5 6 7", "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True}
+    chaos_handle().slow_steps.remote(0.05).result()  # 100 tokens take 5 s: the kill lands mid-stream
     outs, threads = [], []
     for _ in range(4):
         out, started = [], threading.Event()
-        t = threading.Thread(target=stream_lines, args=(chaos_url, body, AUTH, out, started), daemon=True)
+        t = threading.Thread(target=stream_lines, args=(url, body, AUTH, out, started), daemon=True)
         t.start()
         started.wait(30)
         outs.append(out)
         threads.append(t)
+    assert all(any(k == "line" for k, _ in out) for out in outs)  # NOTE: all 4 in flight (steps are slowed)
     codes: list[int] = []
-    poller = threading.Thread(target=poll_health_until_recovered, args=(chaos_url, codes), daemon=True)
+    poller = threading.Thread(target=poll_health_until_recovered, args=(url, codes), daemon=True)
     os.kill(pid, signal.SIGKILL)
     poller.start()  # NOTE: polls from the kill on, since Serve may replace the replica before the streams end
     for t in threads:
         t.join(timeout=90)
-        assert not t.is_alive(), "a request hung after its replica died"
+        assert not t.is_alive(), "a request hung after its engine died"
     for out in outs:  # each in-flight request ended with an error or a completed stream, never a hang
         lines = [v for k, v in out if k == "line"]
         errored = any('"error"' in x for x in lines) or any(k == "exception" for k, _ in out)
         assert errored or (lines and lines[-1] == "data: [DONE]")
-    assert any(any('"error"' in v for k, v in out if k == "line") for out in outs)
     poller.join(timeout=150)
     assert 503 in codes and codes[-1] == 200, codes
-    r = httpx.post(f"{chaos_url}/v1/completions", headers=AUTH, timeout=60,
-                   json={"model": "chaos", "prompt": "5 6 7", "max_tokens": 8})
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60, json={"model": "chaos", "prompt": "5 6 7", "max_tokens": 8})
     assert r.status_code == 200
+    return outs, codes
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+def test_replica_killed_under_load_restarts_and_recovers(chaos_url):
+    pid, engine_pid = chaos_handle().pid.remote().result(), chaos_handle().engine_pid.remote().result()
+    outs, _ = kill_under_load(chaos_url, pid)
+    assert any(any('"error"' in v for k, v in out if k == "line") for out in outs)
     assert chaos_handle().pid.remote().result() != pid  # a new replica process
+    for _ in range(50):  # the orphaned engine process sees its socket close and exits
+        if process_gone(engine_pid):
+            break
+        time.sleep(0.1)
+    assert process_gone(engine_pid)
+
+
+def test_engine_process_killed_under_load_ends_every_stream_and_recovers(chaos_url):
+    pid, engine_pid = chaos_handle().pid.remote().result(), chaos_handle().engine_pid.remote().result()
+    assert engine_pid != pid
+    outs, codes = kill_under_load(chaos_url, engine_pid)
+    for out in outs:  # every open stream got an error event naming the dead engine, then [DONE]
+        lines = [v for k, v in out if k == "line"]
+        errors = [json.loads(x[6:])["error"] for x in lines if x.startswith("data: {") and '"error"' in x]
+        assert errors and "engine process" in errors[0]["message"] and lines[-1] == "data: [DONE]", lines[-3:]
+    assert chaos_handle().pid.remote().result() != pid  # Serve replaced the unhealthy replica
+    assert chaos_handle().engine_pid.remote().result() != engine_pid
 
 
 @pytest.mark.parametrize("raw,status", [

@@ -1,9 +1,22 @@
-"""Engine configuration: one frozen dataclass, validated on construction."""
+"""Engine configuration: one frozen dataclass, validated on construction. No torch: the CLI and
+the API layer read its defaults."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from kvcache.storage import parse_size
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
+
+
+def parse_size(text: str | int) -> int:
+    """'1GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 1GiB, 512MiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 CUDA_BLOCK_SIZE = 256

@@ -1,36 +1,34 @@
-"""The synchronous engine core: admission checks, one step at a time, outputs per sequence.
+"""The synchronous engine core: one step at a time, outputs per sequence, stats as values.
 
-No Ray and no asyncio here: `AsyncEngine` drives this from a thread, the CLI drives it
-directly.
+No Ray and no asyncio here: the engine process (`server/engine/core.py`) drives this for a
+replica, the CLI and the benchmarks drive it directly.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-import torch
-
-from kvcache.manager import KVCacheManager, cdiv
+from kvcache.manager import KVCacheManager
 from kvcache.storage import KVCacheSpec, PagedKVCache
 from models.cpu_linear import pack_linears
 from models.loader import load_model, load_tokenizer, parse_dtype
 from models.registry import resolve_model
 from models.transformer import DecoderLM
+from server.engine.admission import validate_request
 from server.engine.config import EngineConfig
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.errors import InvalidRequestError
 from server.engine.model_runner import ModelRunner
-from server.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
+from server.engine.request import Request, RequestStatus
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler
+from server.metrics import resident_memory_bytes
+from server.wire import EngineStats, ModelInfo, RequestOutput, TokenLogprob
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The bounded waiting queue is full; retry later (HTTP 429)."""
+CACHED_FREE_EVERY_S = 0.25  # counting cached free blocks walks the prefix map: not every step
 
 
 @dataclass(frozen=True)
@@ -48,10 +46,8 @@ class CompletionResult:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: DecoderLM | None = None, tokenizer: Any = None,
-                 on_finished: Callable[[Request], None] | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: DecoderLM | None = None, tokenizer: Any = None) -> None:
         self.config = config
-        self.on_finished = on_finished  # called on the engine thread for every finished sequence
         if model is None:
             path = resolve_model(config.model)
             model = load_model(path, parse_dtype(config.dtype), config.device)
@@ -72,41 +68,28 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.info = ModelInfo(self.max_model_len, cfg.attention_kind, cfg.num_kv_heads, self.kv_spec.bytes_per_token,
+                              cfg.vocab_size, config.block_size, num_blocks)
         self.groups: dict[str, list[Request]] = {}
         self.num_steps = 0
         self.num_step_errors = 0
         self.num_generated_tokens = 0
+        self.num_adds_received = 0
+        self._cached_free = (0.0, 0)  # (when counted, count)
 
     # ---- admission -------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError for anything that could never be served."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("prompt must contain at least one token", "prompt")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {n} tokens but the model's context is {self.max_model_len} tokens", "prompt")
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
-                f"the model's context of {self.max_model_len} tokens", "max_tokens")
-        need = cdiv(n + params.max_tokens, self.config.block_size)
-        if need > self.kv.num_blocks:
-            raise InvalidRequestError(
-                f"prompt + max_tokens needs {need} KV blocks but the whole KV cache has {self.kv.num_blocks}",
-                "max_tokens")
-
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
+        """Validate, then queue. Raises InvalidRequestError for anything that could never be served."""
+        validate_request(self.info, prompt_token_ids, params)
+        self.add_validated(request_id, prompt_token_ids, params, arrival_time)
+
+    def add_validated(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                      arrival_time: float | None = None) -> None:
+        """Queue a request its replica already validated (requests are validated once)."""
+        self.num_adds_received += 1
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        self.validate(prompt_token_ids, params)
-        limit = self.config.max_waiting
-        if limit is not None and len(self.scheduler.waiting) >= limit:
-            raise QueueFullError(f"waiting queue is full ({limit} requests)")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = [
             Request(
@@ -134,6 +117,19 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.groups)
+
+    def stats(self) -> EngineStats:
+        sch, kv, now = self.scheduler, self.kv, time.time()
+        if now - self._cached_free[0] >= CACHED_FREE_EVERY_S:
+            self._cached_free = (now, kv.pool.num_cached_free_blocks)
+        return EngineStats(
+            time=now, num_running=len(sch.running), num_waiting=len(sch.waiting), num_blocks=kv.num_blocks,
+            num_used_blocks=kv.num_used_blocks, num_cached_free_blocks=self._cached_free[1],
+            num_unfinished_groups=len(self.groups), num_prompt_tokens=sch.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens, num_prefix_queries=sch.num_prefix_queries,
+            num_prefix_hits=sch.num_prefix_hits, num_preemptions=sch.num_preemptions, num_steps=self.num_steps,
+            num_step_errors=self.num_step_errors, num_adds_received=self.num_adds_received,
+            resident_memory_bytes=resident_memory_bytes())
 
     # ---- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -178,11 +174,6 @@ class LLMEngine:
         group = self.groups.get(req.group_id)
         if group is not None and all(r.is_finished for r in group):
             del self.groups[req.group_id]
-        if self.on_finished is not None:
-            try:
-                self.on_finished(req)
-            except Exception:  # accounting must never take a request (or the engine) down
-                logger.exception("on_finished hook failed")
         return RequestOutput(req.group_id, req.index, tokens, text, True, reason, lps, req.stats, error)
 
     # ---- offline helper --------------------------------------------------------------------
@@ -214,3 +205,4 @@ class LLMEngine:
                                               tuple(logprobs.get(key, [])), f.stats))
             results.append(group)
         return results
+

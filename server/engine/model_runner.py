@@ -12,7 +12,7 @@ from kvcache.paged_attention import AttentionMetadata, PagedAttention
 from kvcache.storage import PagedKVCache
 from models.transformer import DecoderLM
 from server.engine.compilation import compile_model
-from server.engine.request import TokenLogprob
+from server.wire import TokenLogprob
 from server.engine.sampler import SamplingBatch, sample
 from server.engine.scheduler import SchedulerOutput
 

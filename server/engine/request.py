@@ -1,78 +1,20 @@
-"""One sequence being generated, with the accounting later exported as metrics and usage."""
+"""One sequence being generated (engine-side state); its accounting is a `wire.RequestStats`."""
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sampling_params import SamplingParams
+from server.wire import RequestStats, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, logprob) alternatives, best first
-
-
-@dataclass
-class RequestStats:
-    """Times are time.monotonic() seconds; sizes count the request's own block table."""
-
-    arrival_time: float
-    num_prompt_tokens: int
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    num_preemptions: int = 0
-    peak_blocks: int = 0
-    peak_kv_bytes: int = 0
-    inter_token_latencies: list[float] = field(default_factory=list)
-
-    @property
-    def queue_time(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def prefill_time(self) -> float | None:
-        if self.first_token_time is None or self.first_scheduled_time is None:
-            return None
-        return self.first_token_time - self.first_scheduled_time
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one sequence; the text and tokens are deltas."""
-
-    request_id: str  # the caller's id; samples of an n > 1 request share it
-    index: int  # which of the n samples
-    new_token_ids: tuple[int, ...]
-    new_text: str
-    finished: bool
-    finish_reason: str | None = None  # stop | length | abort | error
-    new_logprobs: tuple[TokenLogprob, ...] = ()
-    stats: RequestStats | None = None  # set on the final output
-    error: str | None = None
 
 
 class Request:

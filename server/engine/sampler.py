@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from server.engine.request import TokenLogprob
+from server.wire import TokenLogprob
 from server.engine.sampling_params import SamplingParams
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from server.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0  # OpenAI's limit; the HTTP schema uses this one too
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 
@@ -40,7 +41,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
-        _check(math.isfinite(self.temperature) and 0 <= self.temperature <= 100, "temperature", "must be in [0, 100]")
+        _check(math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+               f"must be in [0, {MAX_TEMPERATURE:g}]")
         _check(math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or a positive integer")
         _check(math.isfinite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")

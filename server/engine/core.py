@@ -1,0 +1,118 @@
+"""The engine process: one per model replica, running `LLMEngine` steps back to back.
+
+It owns the model, the KV cache and the scheduler, away from the replica's GIL (asyncio,
+streaming, Ray's threads). It speaks over one local socket (`multiprocessing.connection`,
+pickled values from `server/wire.py`):
+
+    replica -> engine   EngineConfig, then AddRequest | AbortRequest (| InjectStepFailures | SlowSteps)
+    engine  -> replica  EngineReady, then StepOutputs after every loop that changed anything
+
+Detokenization and stop strings stay here, in the step that produced the token: a stop string
+ends its sequence (and frees its blocks) at once, with no extra steps, and offline and served
+generation share one code path. It exits when the replica's end of the socket closes.
+
+    python -m server.engine.core FD
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import replace
+from multiprocessing.connection import Connection
+
+from server.engine.config import EngineConfig
+from server.engine.engine import LLMEngine
+from server.wire import AbortRequest, AddRequest, EngineReady, InjectStepFailures, RequestOutput, SlowSteps, StepOutputs
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """The loop: drain commands, step, send outputs with a stats value."""
+
+    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
+        self.engine, self.conn = engine, conn
+        self.step_delay_s = 0.0
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            # NOTE: blocks only when idle; while requests run, commands are picked up between steps
+            changed = self._drain(block=not engine.has_unfinished())
+            if self.step_delay_s and engine.has_unfinished():
+                time.sleep(self.step_delay_s)
+            outputs = self._step() if engine.has_unfinished() else []
+            if changed or outputs:
+                self.conn.send(StepOutputs(tuple(outputs), engine.stats()))
+
+    def _drain(self, block: bool) -> bool:
+        changed = False
+        while self.conn.poll(None if block and not changed else 0):
+            self._handle(self.conn.recv())
+            changed = True
+        return changed
+
+    def _handle(self, command) -> None:
+        if isinstance(command, AddRequest):
+            try:
+                self.engine.add_validated(command.request_id, command.prompt_token_ids, command.params,
+                                          command.arrival_time)
+            except Exception as e:  # noqa: BLE001 - the request fails, the engine keeps serving
+                failed = tuple(RequestOutput(command.request_id, i, (), "", True, "error", error=str(e))
+                               for i in range(command.params.n))
+                self.conn.send(StepOutputs(failed, self.engine.stats()))
+        elif isinstance(command, AbortRequest):
+            outputs = self.engine.abort(command.request_id)
+            if outputs:
+                self.conn.send(StepOutputs(tuple(outputs), self.engine.stats()))
+        elif isinstance(command, InjectStepFailures):
+            self._inject_step_failures(command.count)
+        elif isinstance(command, SlowSteps):
+            self.step_delay_s = command.delay_s
+        else:
+            raise TypeError(f"unknown engine command {command!r}")
+
+    def _inject_step_failures(self, count: int) -> None:
+        """Chaos testing: the next `count` model steps raise, as a real failure would."""
+        runner, real = self.engine.runner, self.engine.runner.execute
+        remaining = [count]
+
+        def failing(batch):
+            if remaining[0] > 0:
+                remaining[0] -= 1
+                raise RuntimeError("injected model step failure")
+            runner.execute = real
+            return real(batch)
+        runner.execute = failing
+
+    def _step(self) -> list[RequestOutput]:
+        engine = self.engine
+        try:
+            return engine.step()
+        except Exception as e:  # a bug outside the model step: fail everyone, keep serving
+            logger.exception("engine step crashed")
+            message = f"{type(e).__name__}: {e}"
+            return [replace(o, finish_reason="error", error=message)
+                    for rid in list(engine.groups) for o in engine.abort(rid)]
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
+    conn = Connection(int(argv[0]))
+    config: EngineConfig = conn.recv()
+    if config.num_threads:
+        import torch
+        torch.set_num_threads(config.num_threads)
+    engine = LLMEngine(config)
+    conn.send(EngineReady(engine.info, os.getpid(), engine.stats()))
+    try:
+        EngineCore(engine, conn).run()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return 0  # the replica is gone
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,198 @@
+"""The replica's side of its engine process: starts it, posts commands, routes outputs to streams.
+
+Outputs arrive on one reader thread (it waits on the socket without the GIL) and cross to each
+stream's event loop in one `call_soon_threadsafe` per loop and step. If the engine process dies,
+every open stream ends with `EngineDeadError` and `is_alive` turns false, so Serve restarts the
+replica.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from typing import AsyncIterator, Callable, Sequence
+
+from server.engine.config import EngineConfig
+from server.engine.errors import EngineDeadError, QueueFullError
+from server.engine.sampling_params import SamplingParams
+from server.wire import (AbortRequest, AddRequest, EngineReady, EngineStats, InjectStepFailures, ModelInfo,
+                         RequestOutput, SlowSteps, StepOutputs)
+
+logger = logging.getLogger(__name__)
+START_TIMEOUT_S = 900.0  # a cold start compiles the model step
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, on_outputs: Callable[[StepOutputs], None] | None = None) -> None:
+        self.config = config
+        self.on_outputs = on_outputs  # called on the reader thread, before outputs reach their streams
+        ours, theirs = socket.socketpair()
+        self.process = subprocess.Popen([sys.executable, "-m", "server.engine.core", str(theirs.fileno())],
+                                        pass_fds=(theirs.fileno(),))
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send(config)
+        ready = self._wait_ready()
+        self.info: ModelInfo = ready.info
+        self.pid: int = ready.pid
+        self.stats: EngineStats = ready.stats  # the latest, replaced whole (never mutated)
+        self.dead: str | None = None  # why the engine process is gone
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._send_lock = threading.Lock()
+        self._adds_sent = 0
+        self._reader = threading.Thread(target=self._read, name="attnserve-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _wait_ready(self) -> EngineReady:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.conn.poll(1.0):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.process.kill()
+                raise RuntimeError(f"engine process failed to start (exit code {self.process.poll()}); see its log")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.process.wait(timeout=10)
+            raise RuntimeError(f"engine process failed to start (exit code {self.process.returncode}); "
+                               "see its log") from None
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead is None and self.process.poll() is None
+
+    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                 coalesce: bool = False) -> AsyncIterator[RequestOutput]:
+        """Check capacity now (raising QueueFullError), then stream outputs as they come.
+
+        The caller validated the request. Closing the iterator early (client gone, task
+        cancelled) aborts the request. With `coalesce`, outputs that queued up while the consumer
+        was busy arrive merged (one per sample): a slow consumer costs one message per read.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(f"engine process is not running: {self.dead or 'exited'}")
+        limit = self.config.max_waiting
+        if limit is not None:
+            # NOTE: checked here, before any byte is streamed, so an overload is a 429; adds the
+            # engine has not seen yet count as waiting. Racy by a request or two, which a memory
+            # bound tolerates.
+            stats = self.stats
+            waiting = stats.num_waiting + self._adds_sent - stats.num_adds_received
+            if waiting >= limit:
+                raise QueueFullError(f"waiting queue is full ({limit} requests); retry later")
+        return self._stream(request_id or uuid.uuid4().hex, tuple(prompt_token_ids), params, coalesce)
+
+    async def _stream(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
+                      coalesce: bool) -> AsyncIterator[RequestOutput]:
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        remaining, done = params.n, False
+        try:
+            self._adds_sent += 1
+            self._send(AddRequest(request_id, prompt, params, time.monotonic()))
+            while remaining:
+                items = [await q.get()]
+                while coalesce and not q.empty():
+                    items.append(q.get_nowait())
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                for item in merge_outputs(items) if coalesce else items:
+                    remaining -= item.finished
+                    yield item
+            done = True
+        finally:
+            self._streams.pop(request_id, None)
+            if not done:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self._send(AbortRequest(request_id))
+        except EngineDeadError:
+            pass  # nothing left to free
+
+    def inject_step_failures(self, count: int) -> None:
+        self._send(InjectStepFailures(count))
+
+    def slow_steps(self, delay_s: float) -> None:
+        self._send(SlowSteps(delay_s))
+
+    def _send(self, command) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(command)
+        except OSError as e:
+            raise EngineDeadError(f"engine process is not running: {e}") from None
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message: StepOutputs = self.conn.recv()
+            except (EOFError, OSError) as e:
+                self._on_dead(f"{type(e).__name__} on the engine socket (exit code {self.process.poll()})")
+                return
+            self.stats = message.stats
+            if self.on_outputs is not None:
+                try:
+                    self.on_outputs(message)
+                except Exception:  # accounting must never take requests down
+                    logger.exception("on_outputs hook failed")
+            self._dispatch(message.outputs)
+
+    def _on_dead(self, why: str) -> None:
+        if self.dead is None:  # not shut down on purpose
+            self.dead = why
+            logger.error("engine process died: %s", why)  # Serve's health check restarts the replica
+        error = EngineDeadError(f"engine process stopped: {self.dead}")
+        for loop, q in list(self._streams.values()):
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, error)
+            except RuntimeError:  # that event loop is closed
+                pass
+
+    def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed
+                pass
+
+    def shutdown(self) -> None:
+        """Stop the engine process; the reader thread ends on the socket's EOF."""
+        self.dead = self.dead or "shut down"
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._reader.join(timeout=5)
+        self.conn.close()
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Consecutive outputs of the same sample folded into one (tokens, text, logprobs joined)."""
+    merged: dict[int, RequestOutput] = {}
+    for out in outputs:
+        prev = merged.get(out.index)
+        merged[out.index] = out if prev is None else replace(
+            out, new_token_ids=prev.new_token_ids + out.new_token_ids, new_text=prev.new_text + out.new_text,
+            new_logprobs=prev.new_logprobs + out.new_logprobs)
+    return list(merged.values())
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)

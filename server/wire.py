@@ -1,0 +1,192 @@
+"""Every value that crosses a process boundary: engine process <-> model replica <-> ingress.
+
+Plain frozen dataclasses (pickled over a local pipe, or by Ray between replicas), and no
+torch, so the API layer that uses them stays light.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from server.engine.sampling_params import SamplingParams
+
+
+# ---- engine outputs ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob) alternatives, best first
+
+
+@dataclass
+class RequestStats:
+    """One sequence's accounting, filled in by the engine; final once its request finished.
+    Times are time.monotonic() seconds (one clock for every process on the host)."""
+
+    arrival_time: float
+    num_prompt_tokens: int
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    peak_blocks: int = 0
+    peak_kv_bytes: int = 0
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one sequence; the text and tokens are deltas."""
+
+    request_id: str  # the caller's id; samples of an n > 1 request share it
+    index: int  # which of the n samples
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None  # stop | length | abort | error
+    new_logprobs: tuple[TokenLogprob, ...] = ()
+    stats: RequestStats | None = None  # set on the final output
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's state after one loop, as a value: metrics read this, never the engine."""
+
+    time: float  # time.time() when taken
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_used_blocks: int
+    num_cached_free_blocks: int
+    num_unfinished_groups: int
+    num_prompt_tokens: int  # counters from here on: cumulative since the engine started
+    num_generated_tokens: int
+    num_prefix_queries: int
+    num_prefix_hits: int
+    num_preemptions: int
+    num_steps: int
+    num_step_errors: int
+    num_adds_received: int
+    resident_memory_bytes: int  # the engine process's own
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the replica and the API layer need to know of a served model (/v1/models, admission)."""
+
+    max_model_len: int
+    attention: str  # mha | gqa | mqa
+    num_kv_heads: int
+    kv_bytes_per_token: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+
+
+# ---- replica <-> engine process ------------------------------------------------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class InjectStepFailures:
+    """Chaos testing: the next `count` model steps raise."""
+
+    count: int
+
+
+@dataclass(frozen=True)
+class SlowSteps:
+    """Chaos testing: sleep this long before every step (0 turns it off)."""
+
+    delay_s: float
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    info: ModelInfo
+    pid: int
+    stats: EngineStats  # so the replica never lacks one
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """One engine loop's outputs (possibly none: an abort only changed the stats)."""
+
+    outputs: tuple[RequestOutput, ...]
+    stats: EngineStats
+
+
+# ---- ingress <-> model replica -------------------------------------------------------------------
+@dataclass(frozen=True)
+class LogprobEntry:
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+    top: tuple[tuple[str, float, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One prompt (text, token ids, or chat messages) and how to sample it."""
+
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[dict, ...] | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    fit_max_tokens: bool = False  # max_tokens not given: use what the context leaves (capped by params)
+
+
+@dataclass(frozen=True)
+class PromptInfo:
+    """First item of every generation stream."""
+
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Text and tokens one step added to one sample; final chunks carry the accounting."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[LogprobEntry, ...] = ()
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    peak_kv_bytes: int = 0
+    error: str | None = None
