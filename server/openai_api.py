@@ -198,7 +198,8 @@ class OpenAIApi:
         params = self._params(body, body.max_tokens, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         calls = [GenerateCall(params, prompt=p if isinstance(p, str) else None,
-                              prompt_token_ids=tuple(p) if isinstance(p, list) else None, request_id=f"{rid}-{i}")
+                              prompt_token_ids=tuple(p) if isinstance(p, list) else None, request_id=f"{rid}-{i}",
+                              stream=body.stream)
                  for i, p in enumerate(prompts)]
         return await self._run(client, calls, body, rid, "text_completion", chat=False)
 
@@ -211,7 +212,8 @@ class OpenAIApi:
         params = self._params(body, requested, logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         messages = tuple(m.as_template_input() for m in body.messages)
-        call = GenerateCall(params, messages=messages, request_id=f"{rid}-0", fit_max_tokens=requested is None)
+        call = GenerateCall(params, messages=messages, request_id=f"{rid}-0", fit_max_tokens=requested is None,
+                            stream=body.stream)
         return await self._run(client, [call], body, rid, "chat.completion", chat=True)
 
     async def _run(self, client, calls, body, rid: str, obj: str, chat: bool) -> dict[str, Any] | AsyncIterator[str]:

@@ -168,6 +168,7 @@ class GenerateCall:
     messages: tuple[dict, ...] | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     fit_max_tokens: bool = False  # max_tokens not given: use what the context leaves (capped by params)
+    stream: bool = True  # False: one chunk per sample, when it finishes
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from models.loader import load_tokenizer
 from models.registry import resolve_model
 from server.engine.admission import check_token_ids, validate_request
 from server.engine.config import EngineConfig
-from server.engine.core_client import EngineCoreClient
+from server.engine.core_client import EngineCoreClient, join_outputs
 from server.engine.errors import InvalidRequestError, QueueFullError
 from server.metrics import MetricsRecorder
 from server.wire import (Chunk, GenerateCall, LogprobEntry, ModelInfo, PromptInfo, RequestOutput, StepOutputs,
@@ -131,8 +131,17 @@ class ModelWorker:
             self.metrics.on_error("queue_full")
             raise
         yield PromptInfo(len(ids))
+        if call.stream:
+            async for out in stream:
+                yield self._chunk(out)
+            return
+        # NOTE: a non-streaming caller only needs each sample's whole output: one message per sample
+        # crosses to the ingress, not one per token
+        partial: dict[int, list[RequestOutput]] = {}
         async for out in stream:
-            yield self._chunk(out)
+            partial.setdefault(out.index, []).append(out)
+            if out.finished:
+                yield self._chunk(join_outputs(partial.pop(out.index)))
 
     def _chunk(self, out: RequestOutput) -> Chunk:
         s = out.stats

@@ -8,9 +8,11 @@ import httpx
 import pytest
 
 from server.engine import EngineConfig
+from server.engine.sampling_params import SamplingParams
 from server.http_app import create_app
 from server.local_client import LocalModelClient
 from server.openai_api import ApiLimits, OpenAIApi
+from server.wire import GenerateCall, PromptInfo
 from server.worker import ModelWorker
 
 
@@ -187,3 +189,19 @@ def test_api_layer_does_not_import_torch():
             "server.engine.errors, server.engine.config; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_non_streaming_call_gets_one_chunk_per_sample(api):
+    worker = api.clients["tiny"].worker
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, n=2)
+
+    async def run(stream):
+        return [x async for x in worker.generate(GenerateCall(params, prompt_token_ids=(5, 6, 7), stream=stream))]
+    whole, streamed = asyncio.run(run(False)), asyncio.run(run(True))
+    assert isinstance(whole[0], PromptInfo) and len(whole) == 3  # one chunk per sample crosses to the ingress
+    assert len(streamed) > 3
+    for chunk in whole[1:]:
+        parts = [c for c in streamed[1:] if c.index == chunk.index]
+        assert chunk.token_ids == tuple(t for c in parts for t in c.token_ids) and len(chunk.token_ids) == 7
+        assert chunk.text == "".join(c.text for c in parts) and chunk.finish_reason == "length"
+        assert chunk.num_output_tokens == 7 and chunk.peak_kv_bytes == parts[-1].peak_kv_bytes > 0

@@ -183,14 +183,20 @@ class EngineCoreClient:
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """Consecutive outputs of the same sample folded into one (tokens, text, logprobs joined)."""
-    merged: dict[int, RequestOutput] = {}
+    """Outputs folded into one per sample, in order (tokens, text, logprobs joined)."""
+    by_index: dict[int, list[RequestOutput]] = {}
     for out in outputs:
-        prev = merged.get(out.index)
-        merged[out.index] = out if prev is None else replace(
-            out, new_token_ids=prev.new_token_ids + out.new_token_ids, new_text=prev.new_text + out.new_text,
-            new_logprobs=prev.new_logprobs + out.new_logprobs)
-    return list(merged.values())
+        by_index.setdefault(out.index, []).append(out)
+    return [join_outputs(group) for group in by_index.values()]
+
+
+def join_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """One sample's consecutive outputs as one; the last one's finish, stats and error."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return replace(outputs[-1], new_token_ids=tuple(t for o in outputs for t in o.new_token_ids),
+                   new_text="".join(o.new_text for o in outputs),
+                   new_logprobs=tuple(lp for o in outputs for lp in o.new_logprobs))
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
