@@ -1,4 +1,5 @@
-"""A ModelClient over an in-process ModelWorker (no Ray): for unit tests of the API layer."""
+"""A ModelClient over a ModelWorker in the same process: a one-model replica serving HTTP itself,
+and unit tests of the API layer."""
 from __future__ import annotations
 
 from typing import AsyncIterator

@@ -26,6 +26,9 @@ class ServeConfig:
     num_gpus: float = 0.0  # per model replica; > 0 runs the engine on CUDA
     api_key: str | None = None
     graceful_shutdown_timeout_s: float = 20.0  # on shutdown, in-flight requests get this long to finish
+    # one model: its replicas serve HTTP themselves (one Ray hop fewer per token); True keeps an
+    # OpenAIIngress in front, which answers /health with 503 while every model replica is down
+    separate_ingress: bool = False
     limits: ApiLimits = field(default_factory=ApiLimits)  # serve.yaml: a mapping of ApiLimits fields
 
     def __post_init__(self) -> None:

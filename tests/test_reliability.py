@@ -33,7 +33,7 @@ def chaos_url(serve_url, tiny_variants):
                       engine=EngineConfig(dtype="float32", block_size=4, kv_cache_memory=None, num_blocks=48,
                                           max_model_len=160, max_num_batched_tokens=64, max_num_seqs=8,
                                           max_waiting=16, num_threads=1),
-                      num_cpus=0.25, api_key=CHAOS_KEY,
+                      num_cpus=0.25, api_key=CHAOS_KEY, separate_ingress=True,
                       limits=ApiLimits(max_tokens=100))
     serve.run(build_app(cfg), name=CHAOS_APP, route_prefix="/chaos")
     yield f"{serve_url}/chaos"
@@ -109,11 +109,11 @@ def poll_health_until_recovered(url: str, codes: list[int], timeout_s: float = 1
         time.sleep(0.1)
 
 
-def kill_under_load(url: str, pid: int) -> tuple[list[list], list[int]]:
+def kill_under_load(url: str, pid: int, handle=None) -> tuple[list[list], list[int]]:
     """Kill `pid` while 4 streams run; return each stream's events and the /health codes from the kill
     until recovery. Fails if a stream hangs or ends without an error or [DONE]."""
     body = {"model": "chaos", "prompt": "5 6 7", "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True}
-    chaos_handle().slow_steps.remote(0.05).result()  # 100 tokens take 5 s: the kill lands mid-stream
+    (handle or chaos_handle()).slow_steps.remote(0.05).result()  # 100 tokens take 5 s: the kill lands mid-stream
     outs, threads = [], []
     for _ in range(4):
         out, started = [], threading.Event()
@@ -161,16 +161,46 @@ def test_replica_killed_under_load_restarts_and_recovers(chaos_url):
     assert process_gone(engine_pid)
 
 
-def test_engine_process_killed_under_load_ends_every_stream_and_recovers(chaos_url):
-    pid, engine_pid = chaos_handle().pid.remote().result(), chaos_handle().engine_pid.remote().result()
+def assert_engine_killed_under_load_recovers(url: str, handle) -> None:
+    pid, engine_pid = handle.pid.remote().result(), handle.engine_pid.remote().result()
     assert engine_pid != pid
-    outs, codes = kill_under_load(chaos_url, engine_pid)
+    outs, codes = kill_under_load(url, engine_pid, handle)
     for out in outs:  # every open stream got an error event naming the dead engine, then [DONE]
         lines = [v for k, v in out if k == "line"]
         errors = [json.loads(x[6:])["error"] for x in lines if x.startswith("data: {") and '"error"' in x]
         assert errors and "engine process" in errors[0]["message"] and lines[-1] == "data: [DONE]", lines[-3:]
-    assert chaos_handle().pid.remote().result() != pid  # Serve replaced the unhealthy replica
-    assert chaos_handle().engine_pid.remote().result() != engine_pid
+    assert handle.pid.remote().result() != pid  # Serve replaced the unhealthy replica
+    assert handle.engine_pid.remote().result() != engine_pid
+
+
+def test_engine_process_killed_under_load_ends_every_stream_and_recovers(chaos_url):
+    assert_engine_killed_under_load_recovers(chaos_url, chaos_handle())
+
+
+def test_one_model_app_serves_http_from_its_model_replica(chaos_url, serve_url, tiny_variants):
+    """Without separate_ingress a one-model app is one deployment whose replicas serve HTTP; the
+    engine-kill path holds there too."""
+    from ray import serve
+
+    from server.deployment import build_app
+    from server.engine.config import EngineConfig
+    from server.serve_config import ServeConfig
+
+    cfg = ServeConfig(models={"chaos": str(tiny_variants["tiny-mqa"])}, num_cpus=0.25, api_key=CHAOS_KEY,
+                      engine=EngineConfig(dtype="float32", block_size=4, kv_cache_memory=None, num_blocks=64,
+                                          max_model_len=160, num_threads=1))
+    serve.run(build_app(cfg), name="attnserve-direct", route_prefix="/direct")
+    url = f"{serve_url}/direct"
+    try:
+        assert set(serve.status().applications["attnserve-direct"].deployments) == {"model-chaos"}
+        assert httpx.get(f"{url}/v1/models").status_code == 401  # the replica's own app: key, limits, routes
+        r = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60,
+                       json={"model": "chaos", "prompt": "1 2 3", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        assert "attnserve_requests_total" in httpx.get(f"{url}/metrics", timeout=30).text
+        assert_engine_killed_under_load_recovers(url, serve.get_deployment_handle("model-chaos", app_name="attnserve-direct"))
+    finally:
+        serve.delete("attnserve-direct")
 
 
 @pytest.mark.parametrize("raw,status", [
