@@ -148,15 +148,11 @@ def _check_chaos() -> None:
 ModelDeployment = serve.deployment(health_check_period_s=5, health_check_timeout_s=30)(ModelReplica)
 
 
-@serve.deployment(health_check_period_s=5, health_check_timeout_s=30)
-@serve.ingress()
-class ModelServer(ModelReplica):
-    """A one-model application's replica serves the OpenAI API itself: one Ray hop fewer per
-    streamed token than proxy -> ingress -> model replica (a streaming burst 6.3 s -> 5.1 s)."""
+class _ServesApi:
+    """The FastAPI app of a replica that answers HTTP, over its model clients; metrics from the hub."""
 
-    def __init__(self, name: str, engine_config: EngineConfig, limits: ApiLimits, api_key: str | None) -> None:
-        super().__init__(name, engine_config)
-        self.api = OpenAIApi({name: LocalModelClient(self.worker)}, limits)
+    def _serve_api(self, clients: dict, limits: ApiLimits, api_key: str | None) -> None:
+        self.api = OpenAIApi(clients, limits)
         self.api_key = api_key
         self.hub = metrics_hub(serve.get_replica_context().app_name)
 
@@ -165,6 +161,17 @@ class ModelServer(ModelReplica):
 
     def __serve_build_asgi_app__(self):
         return create_app(self.api, self.api_key, self.snapshots)
+
+
+@serve.deployment(health_check_period_s=5, health_check_timeout_s=30)
+@serve.ingress()
+class ModelServer(ModelReplica, _ServesApi):
+    """A one-model application's replica serves the OpenAI API itself: one Ray hop fewer per
+    streamed token than proxy -> ingress -> model replica (a streaming burst 6.3 s -> 5.1 s)."""
+
+    def __init__(self, name: str, engine_config: EngineConfig, limits: ApiLimits, api_key: str | None) -> None:
+        super().__init__(name, engine_config)
+        self._serve_api({name: LocalModelClient(self.worker)}, limits, api_key)
 
 
 class RayModelClient:
@@ -197,19 +204,11 @@ class RayModelClient:
 
 @serve.deployment(max_ongoing_requests=2048, ray_actor_options={"num_cpus": 0})
 @serve.ingress()
-class OpenAIIngress:
+class OpenAIIngress(_ServesApi):
     """Owns the FastAPI app, built in the replica from the handles of the model deployments."""
 
     def __init__(self, models: dict[str, DeploymentHandle], limits: ApiLimits, api_key: str | None) -> None:
-        self.api = OpenAIApi({name: RayModelClient(h) for name, h in models.items()}, limits)
-        self.api_key = api_key
-        self.hub = metrics_hub(serve.get_replica_context().app_name)
-
-    async def snapshots(self) -> list[dict]:
-        return await self.hub.collect.remote()
-
-    def __serve_build_asgi_app__(self):
-        return create_app(self.api, self.api_key, self.snapshots)
+        self._serve_api({name: RayModelClient(h) for name, h in models.items()}, limits, api_key)
 
 
 def _deployment_name(model: str) -> str:
