@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 from server.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
