@@ -13,6 +13,11 @@ from typing import Iterable, Sequence
 import numpy as np
 
 BlockHash = bytes
+SUMMARY_KEY_BYTES = 8  # a cache summary lists hash prefixes: enough to tell prefixes apart when routing
+
+
+def summary_key(block_hash: BlockHash) -> bytes:
+    return block_hash[:SUMMARY_KEY_BYTES]
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
@@ -93,6 +98,11 @@ class BlockPool:
     def num_cached_free_blocks(self) -> int:
         """Free blocks that still hold a reusable prefix."""
         return sum(1 for b in self.cached.values() if b.ref_cnt == 0)
+
+    def cache_summary(self, limit: int) -> frozenset[bytes]:
+        """Summary keys of the newest `limit` cached prefixes (the map keeps insertion order)."""
+        keys = list(self.cached)
+        return frozenset(summary_key(h) for h in keys[-limit:])
 
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         return self.cached.get(block_hash) if self.enable_caching else None

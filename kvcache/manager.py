@@ -11,6 +11,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """The chained hashes of the blocks a prefix-cache lookup of this prompt checks (`find_prefix`):
+    the router matches them against replicas' cache summaries."""
+    hashes: list[BlockHash] = []
+    for i in range((len(token_ids) - 1) // block_size):
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * block_size:(i + 1) * block_size]))
+    return hashes
+
+
 @dataclass(frozen=True)
 class PrefixHit:
     """Cached full blocks at the start of a prompt, and how many tokens they cover."""

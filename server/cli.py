@@ -117,6 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
         models=_parse_models(args.model), engine=_engine_config(args), num_replicas=args.replicas,
         autoscaling=autoscaling, max_ongoing_requests=args.max_ongoing_requests, num_cpus=args.num_cpus,
         num_gpus=args.num_gpus, api_key=args.api_key, graceful_shutdown_timeout_s=args.drain_timeout,
+        router=args.router,
         limits=ApiLimits(max_n=args.max_n, max_tokens=args.max_tokens_limit,
                          max_body_bytes=parse_size(args.max_body_size),
                          max_concurrent_streams=args.max_concurrent_streams),
@@ -256,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--replicas", type=int, default=sd["num_replicas"], help="replicas per model")
     srv.add_argument("--autoscale", metavar="MIN:MAX", help="autoscale replicas per model between MIN and MAX")
+    srv.add_argument("--router", choices=("cache", "pow2"), default=sd["router"],
+                     help="with several replicas: route to the replica whose prefix cache holds the most of the "
+                          "prompt (cache), or Serve's power of two choices (pow2)")
     srv.add_argument("--max-waiting", type=int, help="bounded waiting queue per replica (429 beyond it)")
     srv.add_argument("--max-ongoing-requests", type=int, default=sd["max_ongoing_requests"], help="Serve's per-replica concurrency cap")
     srv.add_argument("--num-cpus", type=float, help="CPUs per model replica (default: an even share)")

@@ -1,7 +1,8 @@
 """Ray Serve: one `ModelDeployment` per served model (one engine per replica) behind an
 `OpenAIIngress` that owns the FastAPI app and routes by the request's `model` field. An
 application with one model (unless `separate_ingress`) is one `ModelServer` deployment instead:
-its replicas serve HTTP themselves.
+its replicas serve HTTP themselves, unless it has several replicas routed by cache
+(`server/router.py`): the ingress then tokenizes and hashes prompts so the router can place them.
 
 `build_app(args)` is the application builder for both `attnserve serve` and Ray's own
 `serve run deploy/serve.yaml`.
@@ -12,24 +13,31 @@ import logging
 import os
 import re
 import threading
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 import ray
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from kvcache.manager import prompt_block_hashes
+from models.loader import load_tokenizer
+from models.registry import resolve_model
 from server.engine.config import EngineConfig
 from server.http_app import create_app
 from server.local_client import LocalModelClient
 from server.openai_api import ApiLimits, OpenAIApi
+from server.router import CacheAwareRouter, routing_stats
 from server.serve_config import ServeConfig
 from server.wire import Chunk, GenerateCall, ModelInfo, PromptInfo
-from server.worker import ModelWorker
+from server.worker import ModelWorker, encode_prompt
 
 logger = logging.getLogger(__name__)
 FORWARDED_ENV = ("ATTNSERVE_CACHE_DIR", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "HF_HOME", "ATTNSERVE_CHAOS")
 HUB_NAMESPACE = "attnserve"
 REPORT_PERIOD_S = 1.0
+ROUTING_STATS_PERIOD_S = 1.0  # how often Serve asks each replica for its cache summary and load
 
 
 @ray.remote(num_cpus=0)
@@ -111,6 +119,13 @@ class ModelReplica:
     async def stats(self) -> dict[str, int]:
         return self.worker.stats()
 
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Serve calls this about once a second; `CacheAwareRouter` reads it."""
+        engine = self.worker.engine
+        s = engine.stats
+        return routing_stats(s.num_running, s.num_waiting, s.num_used_blocks / max(1, s.num_blocks),
+                             engine.cached_blocks)
+
     async def pid(self) -> int:
         return os.getpid()
 
@@ -175,11 +190,27 @@ class ModelServer(ModelReplica, _ServesApi):
 
 
 class RayModelClient:
-    """ModelClient over a Serve handle; closing a stream cancels the request in the replica."""
+    """ModelClient over a Serve handle; closing a stream cancels the request in the replica.
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    With a tokenizer (cache-aware routing), prompts are tokenized here, once, and their full
+    blocks hashed as the prefix cache hashes them, so the router can see what they share."""
+
+    def __init__(self, handle: DeploymentHandle, tokenizer: Any = None, name: str = "") -> None:
         self.handle = handle
         self.stream_handle = handle.options(stream=True)
+        self.tokenizer, self.name = tokenizer, name
+        self._block_size: int | None = None
+
+    async def _routable(self, call: GenerateCall) -> GenerateCall:
+        if self.tokenizer is None:
+            return call
+        if self._block_size is None:
+            self._block_size = (await self.info()).block_size
+        ids = call.prompt_token_ids
+        if ids is None:
+            ids = tuple(encode_prompt(self.tokenizer, self.name, call.prompt, call.messages))
+        return replace(call, prompt=None, messages=None, prompt_token_ids=ids,
+                       block_hashes=tuple(prompt_block_hashes(ids, self._block_size)))
 
     async def info(self) -> ModelInfo:
         return await self.handle.info.remote()
@@ -188,7 +219,7 @@ class RayModelClient:
         return await self.handle.health.remote()
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[PromptInfo | Chunk]:
-        response = self.stream_handle.generate.remote(call)
+        response = self.stream_handle.generate.remote(await self._routable(call))
         try:
             async for item in response:
                 yield item
@@ -207,8 +238,12 @@ class RayModelClient:
 class OpenAIIngress(_ServesApi):
     """Owns the FastAPI app, built in the replica from the handles of the model deployments."""
 
-    def __init__(self, models: dict[str, DeploymentHandle], limits: ApiLimits, api_key: str | None) -> None:
-        self._serve_api({name: RayModelClient(h) for name, h in models.items()}, limits, api_key)
+    def __init__(self, models: dict[str, DeploymentHandle], limits: ApiLimits, api_key: str | None,
+                 tokenize: dict[str, str] | None = None) -> None:
+        """`tokenize`: model name -> source, for the models routed by cache (tokenized here)."""
+        tokenizers = {name: load_tokenizer(resolve_model(source)) for name, source in (tokenize or {}).items()}
+        self._serve_api({name: RayModelClient(h, tokenizers.get(name), name) for name, h in models.items()},
+                        limits, api_key)
 
 
 def _deployment_name(model: str) -> str:
@@ -229,18 +264,23 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
     actor_options: dict[str, Any] = {"num_cpus": cpus, "runtime_env": {"env_vars": env}}
     if cfg.num_gpus:
         actor_options["num_gpus"] = cfg.num_gpus
-    models = {}
+    models, tokenize = {}, {}
     for name, source in cfg.models.items():
         scaling = ({"autoscaling_config": cfg.autoscaling} if cfg.autoscaling else {"num_replicas": cfg.replicas(name)})
         options = dict(name=_deployment_name(name), max_ongoing_requests=cfg.max_ongoing_requests,
                        ray_actor_options=actor_options, graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                        **scaling)
-        if len(cfg.models) == 1 and not cfg.separate_ingress:
+        # NOTE: routing by cache needs the prompt's tokens before a replica is chosen: an ingress
+        if len(cfg.models) == 1 and not cfg.separate_ingress and not cfg.routes_by_cache(name):
             return ModelServer.options(**options).bind(name, cfg.engine_config(source, cpus), cfg.limits, cfg.api_key)
+        if cfg.routes_by_cache(name):
+            tokenize[name] = source
+            options["request_router_config"] = RequestRouterConfig(
+                request_router_class=CacheAwareRouter, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
         models[name] = ModelDeployment.options(**options).bind(name, cfg.engine_config(source, cpus))
     return OpenAIIngress.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
                                  graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s).bind(
-        models, cfg.limits, cfg.api_key)
+        models, cfg.limits, cfg.api_key, tokenize)
 
 
 def required_cpus(cfg: ServeConfig, cluster_cpus: float | None) -> float:

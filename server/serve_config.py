@@ -9,6 +9,7 @@ from typing import Any
 from server.engine.config import EngineConfig
 from server.openai_api import ApiLimits
 
+ROUTERS = ("cache", "pow2")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -29,6 +30,9 @@ class ServeConfig:
     # one model: its replicas serve HTTP themselves (one Ray hop fewer per token); True keeps an
     # OpenAIIngress in front, which answers /health with 503 while every model replica is down
     separate_ingress: bool = False
+    # how requests pick among a model's replicas: "cache" (the replica whose prefix cache holds the
+    # longest run of the prompt's blocks; the ingress tokenizes) or "pow2" (Serve's default)
+    router: str = "cache"
     limits: ApiLimits = field(default_factory=ApiLimits)  # serve.yaml: a mapping of ApiLimits fields
 
     def __post_init__(self) -> None:
@@ -45,6 +49,8 @@ class ServeConfig:
             raise ValueError("max_ongoing_requests must be >= 1")
         if self.num_cpus is not None and self.num_cpus <= 0:
             raise ValueError("num_cpus must be positive")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}")
         if self.autoscaling is not None and not {"min_replicas", "max_replicas"} <= set(self.autoscaling):
             raise ValueError("autoscaling needs min_replicas and max_replicas")
         self.engine_config("default")  # validates the engine fields now
@@ -74,6 +80,11 @@ class ServeConfig:
         if self.autoscaling:
             return int(self.autoscaling.get("initial_replicas", self.autoscaling["min_replicas"]))
         return (self.model_replicas or {}).get(model, self.num_replicas)
+
+    def routes_by_cache(self, model: str) -> bool:
+        """Cache-aware routing applies: the router is "cache" and the model may have several replicas."""
+        most = int(self.autoscaling["max_replicas"]) if self.autoscaling else self.replicas(model)
+        return self.router == "cache" and most > 1
 
     @property
     def total_replicas(self) -> int:

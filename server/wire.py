@@ -113,6 +113,7 @@ class AddRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     arrival_time: float
+    final_only: bool = False  # a non-streaming caller: one output per sample, when it finishes
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,15 @@ class StepOutputs:
     stats: EngineStats
 
 
+@dataclass(frozen=True)
+class CachedBlocks:
+    """A bounded summary of the prefix cache (`router.summary_key` of each cached block's hash,
+    the newest first kept), sent about once a second while the engine works: replicas report
+    it to the router."""
+
+    keys: frozenset[bytes]
+
+
 # ---- ingress <-> model replica -------------------------------------------------------------------
 @dataclass(frozen=True)
 class LogprobEntry:
@@ -169,6 +179,7 @@ class GenerateCall:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     fit_max_tokens: bool = False  # max_tokens not given: use what the context leaves (capped by params)
     stream: bool = True  # False: one chunk per sample, when it finishes
+    block_hashes: tuple[bytes, ...] = ()  # the prompt's full blocks' prefix-cache hashes (cache-aware routing)
 
 
 @dataclass(frozen=True)

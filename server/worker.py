@@ -11,7 +11,7 @@ from models.loader import load_tokenizer
 from models.registry import resolve_model
 from server.engine.admission import check_token_ids, validate_request
 from server.engine.config import EngineConfig
-from server.engine.core_client import EngineCoreClient, join_outputs
+from server.engine.core_client import EngineCoreClient
 from server.engine.errors import InvalidRequestError, QueueFullError
 from server.metrics import MetricsRecorder
 from server.wire import (Chunk, GenerateCall, LogprobEntry, ModelInfo, PromptInfo, RequestOutput, StepOutputs,
@@ -38,6 +38,18 @@ def byte_level_bytes(piece: str) -> tuple[int, ...] | None:
     if not piece or any(c not in _BYTE_LEVEL for c in piece):
         return None
     return tuple(_BYTE_LEVEL[c] for c in piece)
+
+
+def encode_prompt(tokenizer: Any, model: str, prompt: str | None = None, messages: Sequence[dict] | None = None,
+                  add_special_tokens: bool = True) -> list[int]:
+    """A prompt's token ids: the text tokenized, or the messages through the chat template."""
+    if messages is not None:
+        if not tokenizer.chat_template:
+            raise InvalidRequestError(f"model {model!r} has no chat template", "messages")
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
+        return list(ids)
+    return list(tokenizer(prompt or "", add_special_tokens=add_special_tokens)["input_ids"])
 
 
 class ModelWorker:
@@ -80,13 +92,7 @@ class ModelWorker:
 
     def encode(self, prompt: str | None = None, messages: Sequence[dict] | None = None,
                add_special_tokens: bool = True) -> list[int]:
-        if messages is not None:
-            if not self.tokenizer.chat_template:
-                raise InvalidRequestError(f"model {self.name!r} has no chat template", "messages")
-            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)["input_ids"]
-            return list(ids)
-        return list(self.tokenizer(prompt or "", add_special_tokens=add_special_tokens)["input_ids"])
+        return encode_prompt(self.tokenizer, self.name, prompt, messages, add_special_tokens)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         check_token_ids(self.info, token_ids, "tokens")
@@ -123,7 +129,7 @@ class ModelWorker:
             params = replace(params, max_tokens=max(1, min(params.max_tokens, self.info.max_model_len - len(ids))))
         try:
             validate_request(self.info, ids, params)  # NOTE: the one validation of a request
-            stream = self.engine.generate(ids, params, call.request_id, coalesce=True)
+            stream = self.engine.generate(ids, params, call.request_id, coalesce=True, final_only=not call.stream)
         except InvalidRequestError:
             self.metrics.on_error("invalid_request")
             raise
@@ -131,17 +137,10 @@ class ModelWorker:
             self.metrics.on_error("queue_full")
             raise
         yield PromptInfo(len(ids))
-        if call.stream:
-            async for out in stream:
-                yield self._chunk(out)
-            return
-        # NOTE: a non-streaming caller only needs each sample's whole output: one message per sample
-        # crosses to the ingress, not one per token
-        partial: dict[int, list[RequestOutput]] = {}
+        # NOTE: a non-streaming caller gets each sample once, whole (final_only): one message per
+        # sample from the engine and to the ingress, not one per token
         async for out in stream:
-            partial.setdefault(out.index, []).append(out)
-            if out.finished:
-                yield self._chunk(join_outputs(partial.pop(out.index)))
+            yield self._chunk(out)
 
     def _chunk(self, out: RequestOutput) -> Chunk:
         s = out.stats

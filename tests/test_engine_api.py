@@ -60,6 +60,31 @@ def test_accounting_on_the_request(parts):
     assert stats.prefill_time >= 0
 
 
+def test_final_only_request_outputs_once_with_everything(parts):
+    """A non-streaming request's one output equals its streamed outputs joined: tokens, text
+    (stop strings included) and logprobs; no output before it finishes."""
+    engine = make_engine(parts)
+    prompt = list(range(10, 31))
+    streamed_text = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0][0].text
+    assert len(streamed_text) > 8
+    stop = streamed_text[3:6]
+    cases = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2, n=2, seed=3),
+             SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop])]
+    for i, params in enumerate(cases):
+        reference = engine.generate([prompt], params)[0]
+        engine.add_request(f"f{i}", prompt, params, final_only=True)
+        outputs = []
+        while engine.has_unfinished():
+            outputs.extend(engine.step())
+        assert len(outputs) == params.n and all(o.finished for o in outputs)
+        for out in outputs:
+            ref = reference[out.index]
+            assert out.new_token_ids == ref.token_ids and out.new_text == ref.text
+            assert out.new_logprobs == ref.logprobs and out.finish_reason == ref.finish_reason
+    assert outputs[0].finish_reason == "stop" and len(outputs[0].new_token_ids) < 12  # the stop-string case
+    assert engine.kv.num_used_blocks == 0
+
+
 def test_engine_process_streams_and_abort_frees_blocks(parts):
     client = EngineCoreClient(EngineConfig(model=str(parts[0]), dtype="float32", num_blocks=64, block_size=4,
                                            max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=True))
@@ -91,6 +116,19 @@ def test_engine_process_streams_and_abort_frees_blocks(parts):
         await settle()
         assert used_blocks() == 0 and client.stats.num_unfinished_groups == 0
 
+        # final_only: one output at the end; stats still flow while it runs
+        client.slow_steps(0.02)
+        whole = asyncio.ensure_future(_collect(client.generate(list(range(5, 25)), SamplingParams(max_tokens=30, **greedy),
+                                                               final_only=True)))
+        progress = set()
+        while not whole.done():
+            if client.stats.num_running:
+                progress.add(client.stats.num_generated_tokens)
+            await asyncio.sleep(0.01)
+        client.slow_steps(0.0)
+        [only] = whole.result()
+        assert only.finished and len(only.new_token_ids) == 30 and len(progress) >= 2
+
         async def consume(i):
             return [o async for o in client.generate([7 + i] * (5 + i), SamplingParams(max_tokens=5, **greedy))]
         results = await asyncio.gather(*(consume(i) for i in range(8)))
@@ -100,10 +138,14 @@ def test_engine_process_streams_and_abort_frees_blocks(parts):
     try:
         asyncio.run(main())
         assert used_blocks() == 0
-        assert client.stats.num_adds_received == 10 and client.stats.num_generated_tokens >= 6 + 3 + 40
+        assert client.stats.num_adds_received == 11 and client.stats.num_generated_tokens >= 6 + 3 + 30
     finally:
         client.shutdown()
     assert client.process.poll() is not None and not client.is_alive
+
+
+async def _collect(stream):
+    return [out async for out in stream]
 
 
 def test_killed_engine_process_ends_every_open_stream(parts):

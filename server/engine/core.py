@@ -5,7 +5,8 @@ streaming, Ray's threads). It speaks over one local socket (`multiprocessing.con
 pickled values from `server/wire.py`):
 
     replica -> engine   EngineConfig, then AddRequest | AbortRequest (| InjectStepFailures | SlowSteps)
-    engine  -> replica  EngineReady, then StepOutputs after every loop that changed anything
+    engine  -> replica  EngineReady, then StepOutputs after every loop that changed anything, and
+                        CachedBlocks (a prefix-cache summary) about once a second after steps ran
 
 Detokenization and stop strings stay here, in the step that produced the token: a stop string
 ends its sequence (and frees its blocks) at once, with no extra steps, and offline and served
@@ -24,9 +25,12 @@ from multiprocessing.connection import Connection
 
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
-from server.wire import AbortRequest, AddRequest, EngineReady, InjectStepFailures, RequestOutput, SlowSteps, StepOutputs
+from server.wire import AbortRequest, AddRequest, CachedBlocks, EngineReady, InjectStepFailures, RequestOutput, SlowSteps, StepOutputs
 
 logger = logging.getLogger(__name__)
+STATS_EVERY_S = 0.1  # the longest a replica's view of the engine's stats goes stale while it runs
+SUMMARY_EVERY_S = 1.0  # how often the prefix-cache summary (for the router) goes out, after steps ran
+SUMMARY_MAX_KEYS = 4096  # the newest cached blocks it lists (32 KiB)
 
 
 class EngineCore:
@@ -35,21 +39,31 @@ class EngineCore:
     def __init__(self, engine: LLMEngine, conn: Connection) -> None:
         self.engine, self.conn = engine, conn
         self.step_delay_s = 0.0
+        self.last_sent = 0.0
+        self.last_summary, self.summarized_steps = 0.0, 0
 
     def run(self) -> None:
         engine = self.engine
         while True:
-            # NOTE: blocks only when idle; while requests run, commands are picked up between steps
-            changed = self._drain(block=not engine.has_unfinished())
+            # NOTE: blocks only when idle (at most until a summary is due); while requests run,
+            # commands are picked up between steps
+            summary_due = engine.num_steps != self.summarized_steps
+            changed = self._drain(block=not engine.has_unfinished(), timeout=SUMMARY_EVERY_S if summary_due else None)
             if self.step_delay_s and engine.has_unfinished():
                 time.sleep(self.step_delay_s)
             outputs = self._step() if engine.has_unfinished() else []
-            if changed or outputs:
+            # steps of final-only requests output nothing: their stats still go out, now and then
+            now = time.monotonic()
+            if changed or outputs or now - self.last_sent >= STATS_EVERY_S:
                 self.conn.send(StepOutputs(tuple(outputs), engine.stats()))
+                self.last_sent = now
+            if summary_due and now - self.last_summary >= SUMMARY_EVERY_S:
+                self.conn.send(CachedBlocks(engine.kv.pool.cache_summary(SUMMARY_MAX_KEYS)))
+                self.last_summary, self.summarized_steps = now, engine.num_steps
 
-    def _drain(self, block: bool) -> bool:
+    def _drain(self, block: bool, timeout: float | None = None) -> bool:
         changed = False
-        while self.conn.poll(None if block and not changed else 0):
+        while self.conn.poll(timeout if block and not changed else 0):
             self._handle(self.conn.recv())
             changed = True
         return changed
@@ -58,7 +72,7 @@ class EngineCore:
         if isinstance(command, AddRequest):
             try:
                 self.engine.add_validated(command.request_id, command.prompt_token_ids, command.params,
-                                          command.arrival_time)
+                                          command.arrival_time, command.final_only)
             except Exception as e:  # noqa: BLE001 - the request fails, the engine keeps serving
                 failed = tuple(RequestOutput(command.request_id, i, (), "", True, "error", error=str(e))
                                for i in range(command.params.n))

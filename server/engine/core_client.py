@@ -22,8 +22,8 @@ from typing import AsyncIterator, Callable, Sequence
 from server.engine.config import EngineConfig
 from server.engine.errors import EngineDeadError, QueueFullError
 from server.engine.sampling_params import SamplingParams
-from server.wire import (AbortRequest, AddRequest, EngineReady, EngineStats, InjectStepFailures, ModelInfo,
-                         RequestOutput, SlowSteps, StepOutputs)
+from server.wire import (AbortRequest, AddRequest, CachedBlocks, EngineReady, EngineStats, InjectStepFailures,
+                         ModelInfo, RequestOutput, SlowSteps, StepOutputs)
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 900.0  # a cold start compiles the model step
@@ -43,6 +43,7 @@ class EngineCoreClient:
         self.info: ModelInfo = ready.info
         self.pid: int = ready.pid
         self.stats: EngineStats = ready.stats  # the latest, replaced whole (never mutated)
+        self.cached_blocks: frozenset[bytes] = frozenset()  # the latest prefix-cache summary
         self.dead: str | None = None  # why the engine process is gone
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._send_lock = threading.Lock()
@@ -68,12 +69,13 @@ class EngineCoreClient:
         return self.dead is None and self.process.poll() is None
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                 coalesce: bool = False) -> AsyncIterator[RequestOutput]:
+                 coalesce: bool = False, final_only: bool = False) -> AsyncIterator[RequestOutput]:
         """Check capacity now (raising QueueFullError), then stream outputs as they come.
 
         The caller validated the request. Closing the iterator early (client gone, task
         cancelled) aborts the request. With `coalesce`, outputs that queued up while the consumer
-        was busy arrive merged (one per sample): a slow consumer costs one message per read.
+        was busy arrive merged (one per sample): a slow consumer costs one message per read. With
+        `final_only`, the engine sends each sample once, finished and whole.
         """
         if not self.is_alive:
             raise EngineDeadError(f"engine process is not running: {self.dead or 'exited'}")
@@ -86,16 +88,16 @@ class EngineCoreClient:
             waiting = stats.num_waiting + self._adds_sent - stats.num_adds_received
             if waiting >= limit:
                 raise QueueFullError(f"waiting queue is full ({limit} requests); retry later")
-        return self._stream(request_id or uuid.uuid4().hex, tuple(prompt_token_ids), params, coalesce)
+        return self._stream(request_id or uuid.uuid4().hex, tuple(prompt_token_ids), params, coalesce, final_only)
 
     async def _stream(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
-                      coalesce: bool) -> AsyncIterator[RequestOutput]:
+                      coalesce: bool, final_only: bool) -> AsyncIterator[RequestOutput]:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         remaining, done = params.n, False
         try:
             self._adds_sent += 1
-            self._send(AddRequest(request_id, prompt, params, time.monotonic()))
+            self._send(AddRequest(request_id, prompt, params, time.monotonic(), final_only))
             while remaining:
                 items = [await q.get()]
                 while coalesce and not q.empty():
@@ -134,17 +136,29 @@ class EngineCoreClient:
     def _read(self) -> None:
         while True:
             try:
-                message: StepOutputs = self.conn.recv()
+                message: StepOutputs | CachedBlocks = self.conn.recv()
             except (EOFError, OSError) as e:
                 self._on_dead(f"{type(e).__name__} on the engine socket (exit code {self.process.poll()})")
                 return
-            self.stats = message.stats
-            if self.on_outputs is not None:
-                try:
-                    self.on_outputs(message)
-                except Exception:  # accounting must never take requests down
-                    logger.exception("on_outputs hook failed")
-            self._dispatch(message.outputs)
+            try:
+                self._receive(message)
+            except Exception as e:  # noqa: BLE001 - NOTE: a reader that stops must not leave streams hanging
+                logger.exception("engine reader failed")
+                self._on_dead(f"reading the engine's messages failed: {type(e).__name__}: {e}")
+                self.process.kill()
+                return
+
+    def _receive(self, message: StepOutputs | CachedBlocks) -> None:
+        if isinstance(message, CachedBlocks):
+            self.cached_blocks = message.keys
+            return
+        self.stats = message.stats
+        if self.on_outputs is not None:
+            try:
+                self.on_outputs(message)
+            except Exception:  # accounting must never take requests down
+                logger.exception("on_outputs hook failed")
+        self._dispatch(message.outputs)
 
     def _on_dead(self, why: str) -> None:
         if self.dead is None:  # not shut down on purpose

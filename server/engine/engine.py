@@ -79,14 +79,17 @@ class LLMEngine:
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, final_only: bool = False) -> None:
         """Validate, then queue. Raises InvalidRequestError for anything that could never be served."""
         validate_request(self.info, prompt_token_ids, params)
-        self.add_validated(request_id, prompt_token_ids, params, arrival_time)
+        self.add_validated(request_id, prompt_token_ids, params, arrival_time, final_only)
 
     def add_validated(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      arrival_time: float | None = None) -> None:
-        """Queue a request its replica already validated (requests are validated once)."""
+                      arrival_time: float | None = None, final_only: bool = False) -> None:
+        """Queue a request its replica already validated (requests are validated once).
+
+        With `final_only`, each sample yields one output, when it finishes, holding all its tokens,
+        text and logprobs: a non-streaming caller gets no message per step."""
         self.num_adds_received += 1
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -95,7 +98,7 @@ class LLMEngine:
             Request(
                 request_id if params.n == 1 else f"{request_id}#{i}", list(prompt_token_ids), params,
                 self._detokenizer(prompt_token_ids, params), index=i,
-                group_id=request_id, arrival_time=arrival,
+                group_id=request_id, arrival_time=arrival, final_only=final_only,
             )
             for i in range(params.n)
         ]
@@ -146,9 +149,10 @@ class LLMEngine:
         self.scheduler.advance(out)
         now = time.monotonic()
         samplers = [s.request for s in out.seqs if s.samples]
-        return [self._on_token(r, t, lp, now) for r, t, lp in zip(samplers, result.token_ids, result.logprobs)]
+        outputs = [self._on_token(r, t, lp, now) for r, t, lp in zip(samplers, result.token_ids, result.logprobs)]
+        return [o for o in outputs if o is not None]
 
-    def _on_token(self, req: Request, token: int, logprob: TokenLogprob | None, now: float) -> RequestOutput:
+    def _on_token(self, req: Request, token: int, logprob: TokenLogprob | None, now: float) -> RequestOutput | None:
         req.append_token(token, now)
         self.num_generated_tokens += 1
         if logprob is not None:
@@ -163,6 +167,9 @@ class LLMEngine:
         lps = (logprob,) if logprob is not None else ()
         if reason is None:
             text = req.detokenizer.flush(False) if req.detokenizer else ""
+            if req.final_only:
+                req.text_parts.append(text)
+                return None
             return RequestOutput(req.group_id, req.index, (token,), text, False, None, lps)
         return self._final(req, reason, (token,), lps)
 
@@ -171,6 +178,9 @@ class LLMEngine:
         if req.status != RequestStatus.FINISHED:
             self.scheduler.finish(req, reason)
         text = req.detokenizer.flush(True) if req.detokenizer else ""
+        if req.final_only:  # everything the sample made, as one output
+            tokens, lps = tuple(req.output_token_ids), tuple(req.logprobs)
+            text = "".join(req.text_parts) + text
         group = self.groups.get(req.group_id)
         if group is not None and all(r.is_finished for r in group):
             del self.groups[req.group_id]

@@ -20,13 +20,16 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  detokenizer: IncrementalDetokenizer | None,
-                 index: int = 0, group_id: str | None = None, arrival_time: float | None = None) -> None:
+                 index: int = 0, group_id: str | None = None, arrival_time: float | None = None,
+                 final_only: bool = False) -> None:
         self.request_id = request_id
         self.group_id = group_id or request_id
         self.index = index
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.detokenizer = detokenizer
+        self.final_only = final_only  # one output when finished, none per step (non-streaming callers)
+        self.text_parts: list[str] = []  # final_only: the text so far
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -1,0 +1,95 @@
+"""Cache-aware request routing between a model's replicas (Ray Serve's RequestRouter API).
+
+The ingress tokenizes a prompt once and hashes its full blocks with the prefix cache's own
+chained hash (`GenerateCall.block_hashes`). Every replica reports, about once a second
+(`record_routing_stats`), a bounded summary of the block hashes its prefix cache holds. A
+request goes to the replica holding the longest run of its blocks; when that replica is too
+much busier than the least loaded one, or its KV pool is full with requests waiting, the
+choice falls back to power of two choices (Serve probes both and takes the shorter queue).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from kvcache.block_pool import summary_key
+
+KV_FULL = 0.95  # above this KV usage, with requests waiting, a replica takes no affinity traffic
+DEFAULT_IMBALANCE = 8  # ongoing requests more than the least loaded replica's: fall back
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """What the router knows of one replica when it routes a request."""
+
+    replica_id: Hashable
+    num_ongoing: int  # requests sent and not finished (the router's live count, else the replica's)
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    cached: frozenset[bytes] = frozenset()  # summary keys of the blocks its prefix cache holds
+
+
+def num_cached_blocks(block_hashes: Sequence[bytes], cached: frozenset[bytes]) -> int:
+    """How many of the prompt's blocks, from the first, the replica holds: what a prefix hit reuses."""
+    n = 0
+    for h in block_hashes:
+        if summary_key(h) not in cached:
+            break
+        n += 1
+    return n
+
+
+def pick_replica(loads: Sequence[ReplicaLoad], block_hashes: Sequence[bytes],
+                 imbalance: int = DEFAULT_IMBALANCE) -> Hashable | None:
+    """The replica with the longest cached run of the prompt's blocks (ties: the less loaded);
+    None when none holds any, or when load says not to follow the cache."""
+    if not loads or not block_hashes:
+        return None
+    best = max(loads, key=lambda r: (num_cached_blocks(block_hashes, r.cached), -r.num_ongoing))
+    if num_cached_blocks(block_hashes, best.cached) == 0:
+        return None
+    # NOTE: affinity never outweighs load: a busy or full replica hands the request to pow2
+    if best.num_ongoing - min(r.num_ongoing for r in loads) > imbalance:
+        return None
+    if best.kv_usage >= KV_FULL and best.num_waiting > 0:
+        return None
+    return best.replica_id
+
+
+def routing_stats(num_running: int, num_waiting: int, kv_usage: float, cached: frozenset[bytes]) -> dict[str, Any]:
+    """What a replica's `record_routing_stats` returns."""
+    return {"num_running": num_running, "num_waiting": num_waiting, "kv_usage": kv_usage, "cached": cached}
+
+
+class CacheAwareRouter(FIFOMixin, RequestRouter):
+    """Prefix-cache affinity on what each replica actually caches; power of two choices otherwise."""
+
+    def initialize_state(self, imbalance: int = DEFAULT_IMBALANCE, **kwargs) -> None:
+        self.imbalance = imbalance
+
+    def _load(self, replica: RunningReplica) -> ReplicaLoad:
+        stats = replica.routing_stats or {}
+        live = self.replica_queue_len_cache.get(replica.replica_id)
+        ongoing = live if live is not None else stats.get("num_running", 0) + stats.get("num_waiting", 0)
+        return ReplicaLoad(replica.replica_id, ongoing, stats.get("num_waiting", 0), stats.get("kv_usage", 0.0),
+                           stats.get("cached", frozenset()))
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        hashes = _block_hashes(pending_request)
+        if hashes and len(candidate_replicas) > 1:
+            chosen = pick_replica([self._load(r) for r in candidate_replicas], hashes,
+                                  getattr(self, "imbalance", DEFAULT_IMBALANCE))
+            if chosen is not None:
+                return [[r for r in candidate_replicas if r.replica_id == chosen]]
+        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+
+
+def _block_hashes(pending: PendingRequest | None) -> tuple[bytes, ...]:
+    """The block hashes a `generate` call carries (other calls carry none)."""
+    if pending is None or not pending.args:
+        return ()
+    return tuple(getattr(pending.args[0], "block_hashes", ()) or ())
