@@ -112,7 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
     autoscaling = None
     if args.autoscale:
         lo, _, hi = args.autoscale.partition(":")
-        autoscaling = {"min_replicas": int(lo), "max_replicas": int(hi or lo), "target_ongoing_requests": 32}
+        autoscaling = {"min_replicas": int(lo), "max_replicas": int(hi or lo)}
     cfg = ServeConfig(
         models=_parse_models(args.model), engine=_engine_config(args), num_replicas=args.replicas,
         autoscaling=autoscaling, max_ongoing_requests=args.max_ongoing_requests, num_cpus=args.num_cpus,

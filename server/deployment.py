@@ -24,6 +24,7 @@ from ray.serve.handle import DeploymentHandle
 from kvcache.manager import prompt_block_hashes
 from models.loader import load_tokenizer
 from models.registry import resolve_model
+from server.autoscaling import autoscaling_config, autoscaling_stats
 from server.engine.config import EngineConfig
 from server.http_app import create_app
 from server.local_client import LocalModelClient
@@ -118,6 +119,11 @@ class ModelReplica:
 
     async def stats(self) -> dict[str, int]:
         return self.worker.stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve averages these per replica for `engine_pressure_policy`."""
+        s = self.worker.engine.stats
+        return autoscaling_stats(s.num_running, s.num_waiting, s.num_used_blocks / max(1, s.num_blocks))
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve calls this about once a second; `CacheAwareRouter` reads it."""
@@ -266,7 +272,8 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
         actor_options["num_gpus"] = cfg.num_gpus
     models, tokenize = {}, {}
     for name, source in cfg.models.items():
-        scaling = ({"autoscaling_config": cfg.autoscaling} if cfg.autoscaling else {"num_replicas": cfg.replicas(name)})
+        scaling = ({"autoscaling_config": autoscaling_config(cfg.autoscaling)} if cfg.autoscaling
+                   else {"num_replicas": cfg.replicas(name)})
         options = dict(name=_deployment_name(name), max_ongoing_requests=cfg.max_ongoing_requests,
                        ray_actor_options=actor_options, graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                        **scaling)

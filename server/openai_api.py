@@ -355,6 +355,11 @@ def _chat_logprobs(entries: list[LogprobEntry] | tuple[LogprobEntry, ...]) -> di
 def _as_api_error(e: BaseException) -> BaseException:
     if isinstance(e, ApiError):
         return e
+    # NOTE: an error raised in a model replica arrives wrapped (Ray's RayTaskError, a subclass of
+    # the original whose message carries Ray's task header); the client sees the original's
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException) and isinstance(e, type(cause)):
+        e = cause
     if isinstance(e, InvalidRequestError):
         return ApiError(400, str(e), param=getattr(e, "param", None))
     if isinstance(e, QueueFullError):

@@ -31,6 +31,9 @@ def test_serve_yaml_args_are_a_valid_serve_config():
     assert (limited.limits.max_n, limited.limits.max_tokens, limited.limits.max_prompts) == (2, 512, 32)
     with pytest.raises(ValueError, match="API limits must be positive"):
         ServeConfig.from_args({"limits": {"max_n": 0}})
+    assert cfg.router == "cache" and not cfg.routes_by_cache("default")  # one replica: nothing to route
+    with pytest.raises(ValueError, match="router must be one of cache, pow2"):
+        ServeConfig.from_args({**app["args"], "router": "random"})
 
 
 def test_rayservice_embeds_serve_yaml_application():
