@@ -96,6 +96,7 @@ def _parse_models(specs: list[str] | None) -> dict[str, str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import json
     import signal
     import time
 
@@ -117,7 +118,8 @@ def _serve(args: argparse.Namespace) -> int:
         models=_parse_models(args.model), engine=_engine_config(args), num_replicas=args.replicas,
         autoscaling=autoscaling, max_ongoing_requests=args.max_ongoing_requests, num_cpus=args.num_cpus,
         num_gpus=args.num_gpus, api_key=args.api_key, graceful_shutdown_timeout_s=args.drain_timeout,
-        router=args.router,
+        router=args.router, replica_resources=json.loads(args.replica_resources),
+        ingress_resources=json.loads(args.ingress_resources),
         limits=ApiLimits(max_n=args.max_n, max_tokens=args.max_tokens_limit,
                          max_body_bytes=parse_size(args.max_body_size),
                          max_concurrent_streams=args.max_concurrent_streams),
@@ -141,7 +143,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"attnserve serve: error: model replicas need {need:g} CPUs but the cluster has {cluster:g}; "
               "lower --replicas or --num-cpus", file=sys.stderr)
         return 2
-    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.start(http_options={"host": args.host, "port": args.port}, proxy_location=args.proxy_location)
     print(f"attnserve: deploying {', '.join(cfg.models)} (first start converts the default model)...", flush=True)
     serve.run(build_app(cfg), name=args.app_name, route_prefix=args.route_prefix, blocking=False)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
@@ -257,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--replicas", type=int, default=sd["num_replicas"], help="replicas per model")
     srv.add_argument("--autoscale", metavar="MIN:MAX", help="autoscale replicas per model between MIN and MAX")
+    srv.add_argument("--replica-resources", default="{}", metavar="JSON",
+                     help='Ray custom resources each model replica asks for, e.g. \'{"replica_slot": 1}\'')
+    srv.add_argument("--ingress-resources", default="{}", metavar="JSON",
+                     help="Ray custom resources the ingress and the metrics hub ask for (pins them to a node)")
+    srv.add_argument("--proxy-location", choices=("EveryNode", "HeadOnly"), default="EveryNode",
+                     help="where Serve runs HTTP proxies (HeadOnly: several nodes on one machine share one port)")
     srv.add_argument("--router", choices=("cache", "pow2"), default=sd["router"],
                      help="with several replicas: route to the replica whose prefix cache holds the most of the "
                           "prompt (cache), or Serve's power of two choices (pow2)")

@@ -61,18 +61,20 @@ def hub_name(app_name: str) -> str:
     return f"attnserve-metrics-{app_name}"
 
 
-def metrics_hub(app_name: str):
-    """The application's hub actor, created by whichever replica asks first."""
+def metrics_hub(app_name: str, resources: dict[str, float] | None = None):
+    """The application's hub actor, created by whichever replica asks first (placed by `resources`,
+    the ingress's: a node that may go away must not take the metrics with it)."""
     return MetricsHub.options(name=hub_name(app_name), namespace=HUB_NAMESPACE, lifetime="detached",
-                              get_if_exists=True).remote()
+                              get_if_exists=True, resources=resources or {}).remote()
 
 
 class _Reporter(threading.Thread):
-    """Pushes the worker's metrics snapshot to the hub every REPORT_PERIOD_S."""
+    """Pushes the worker's metrics snapshot, with where it runs, to the hub every REPORT_PERIOD_S."""
 
-    def __init__(self, worker: ModelWorker, hub, replica_id: str) -> None:
+    def __init__(self, worker: ModelWorker, hub, replica_id: str, node_id: str) -> None:
         super().__init__(name="attnserve-metrics", daemon=True)
         self.worker, self.hub, self.replica_id = worker, hub, replica_id
+        self.where = {"replica": replica_id, "node": node_id}
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -81,7 +83,7 @@ class _Reporter(threading.Thread):
 
     def push(self) -> None:
         try:
-            self.hub.report.remote(self.replica_id, self.worker.snapshot())
+            self.hub.report.remote(self.replica_id, {**self.worker.snapshot(), **self.where})
         except Exception:  # noqa: BLE001 - metrics must never take the replica down
             logger.exception("metrics report failed")
 
@@ -90,10 +92,11 @@ class ModelReplica:
     """One replica = one engine (in its own process) for one model. Config arrives as arguments,
     read here in __init__."""
 
-    def __init__(self, name: str, engine_config: EngineConfig) -> None:
+    def __init__(self, name: str, engine_config: EngineConfig, hub_resources: dict[str, float] | None = None) -> None:
         self.worker = ModelWorker(name, engine_config)
         ctx = serve.get_replica_context()
-        self.reporter = _Reporter(self.worker, metrics_hub(ctx.app_name), ctx.replica_id.unique_id)
+        self.reporter = _Reporter(self.worker, metrics_hub(ctx.app_name, hub_resources), ctx.replica_id.unique_id,
+                                  ray.get_runtime_context().get_node_id())
         self.reporter.push()
         self.reporter.start()
 
@@ -172,10 +175,11 @@ ModelDeployment = serve.deployment(health_check_period_s=5, health_check_timeout
 class _ServesApi:
     """The FastAPI app of a replica that answers HTTP, over its model clients; metrics from the hub."""
 
-    def _serve_api(self, clients: dict, limits: ApiLimits, api_key: str | None) -> None:
+    def _serve_api(self, clients: dict, limits: ApiLimits, api_key: str | None,
+                   hub_resources: dict[str, float] | None = None) -> None:
         self.api = OpenAIApi(clients, limits)
         self.api_key = api_key
-        self.hub = metrics_hub(serve.get_replica_context().app_name)
+        self.hub = metrics_hub(serve.get_replica_context().app_name, hub_resources)
 
     async def snapshots(self) -> list[dict]:
         return await self.hub.collect.remote()
@@ -190,9 +194,10 @@ class ModelServer(ModelReplica, _ServesApi):
     """A one-model application's replica serves the OpenAI API itself: one Ray hop fewer per
     streamed token than proxy -> ingress -> model replica (a streaming burst 6.3 s -> 5.1 s)."""
 
-    def __init__(self, name: str, engine_config: EngineConfig, limits: ApiLimits, api_key: str | None) -> None:
-        super().__init__(name, engine_config)
-        self._serve_api({name: LocalModelClient(self.worker)}, limits, api_key)
+    def __init__(self, name: str, engine_config: EngineConfig, limits: ApiLimits, api_key: str | None,
+                 hub_resources: dict[str, float] | None = None) -> None:
+        super().__init__(name, engine_config, hub_resources)
+        self._serve_api({name: LocalModelClient(self.worker)}, limits, api_key, hub_resources)
 
 
 class RayModelClient:
@@ -245,11 +250,11 @@ class OpenAIIngress(_ServesApi):
     """Owns the FastAPI app, built in the replica from the handles of the model deployments."""
 
     def __init__(self, models: dict[str, DeploymentHandle], limits: ApiLimits, api_key: str | None,
-                 tokenize: dict[str, str] | None = None) -> None:
+                 tokenize: dict[str, str] | None = None, hub_resources: dict[str, float] | None = None) -> None:
         """`tokenize`: model name -> source, for the models routed by cache (tokenized here)."""
         tokenizers = {name: load_tokenizer(resolve_model(source)) for name, source in (tokenize or {}).items()}
         self._serve_api({name: RayModelClient(h, tokenizers.get(name), name) for name, h in models.items()},
-                        limits, api_key)
+                        limits, api_key, hub_resources)
 
 
 def _deployment_name(model: str) -> str:
@@ -267,7 +272,8 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    actor_options: dict[str, Any] = {"num_cpus": cpus, "runtime_env": {"env_vars": env}}
+    actor_options: dict[str, Any] = {"num_cpus": cpus, "runtime_env": {"env_vars": env},
+                                     "resources": dict(cfg.replica_resources)}
     if cfg.num_gpus:
         actor_options["num_gpus"] = cfg.num_gpus
     models, tokenize = {}, {}
@@ -279,15 +285,18 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
                        **scaling)
         # NOTE: routing by cache needs the prompt's tokens before a replica is chosen: an ingress
         if len(cfg.models) == 1 and not cfg.separate_ingress and not cfg.routes_by_cache(name):
-            return ModelServer.options(**options).bind(name, cfg.engine_config(source, cpus), cfg.limits, cfg.api_key)
+            return ModelServer.options(**options).bind(name, cfg.engine_config(source, cpus), cfg.limits, cfg.api_key,
+                                                       cfg.ingress_resources)
         if cfg.routes_by_cache(name):
             tokenize[name] = source
             options["request_router_config"] = RequestRouterConfig(
                 request_router_class=CacheAwareRouter, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
-        models[name] = ModelDeployment.options(**options).bind(name, cfg.engine_config(source, cpus))
-    return OpenAIIngress.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
+        models[name] = ModelDeployment.options(**options).bind(name, cfg.engine_config(source, cpus),
+                                                               cfg.ingress_resources)
+    ingress_options = {"num_cpus": 0, "runtime_env": {"env_vars": env}, "resources": dict(cfg.ingress_resources)}
+    return OpenAIIngress.options(ray_actor_options=ingress_options,
                                  graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s).bind(
-        models, cfg.limits, cfg.api_key, tokenize)
+        models, cfg.limits, cfg.api_key, tokenize, cfg.ingress_resources)
 
 
 def required_cpus(cfg: ServeConfig, cluster_cpus: float | None) -> float:

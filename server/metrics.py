@@ -282,6 +282,13 @@ def render_prometheus(snapshots: list[dict], now: float | None = None) -> bytes:
     return generate_latest(registry)
 
 
+def _replicas_by_node(live: list[dict]) -> dict[str, list[str]]:
+    nodes: dict[str, list[str]] = {}
+    for snap in live:
+        nodes.setdefault(snap.get("node", "local"), []).append(snap.get("replica", "?"))
+    return {node: sorted(ids) for node, ids in sorted(nodes.items())}
+
+
 def dashboard_data(snapshots: list[dict], now: float | None = None) -> dict[str, Any]:
     """Per model: static KV facts, live gauges and recent (seq_len, kv_bytes, ttft, itl, e2e) points."""
     now = time.time() if now is None else now
@@ -298,6 +305,8 @@ def dashboard_data(snapshots: list[dict], now: float | None = None) -> dict[str,
             "kv_blocks_used": sum(s["gauges"]["kv_blocks_used"] for s in live),
             "requests_running": sum(s["gauges"]["requests_running"] for s in live),
             "replicas": len(live),
+            # NOTE: replicas report a "replica" and "node" (Ray ids) next to their counts
+            "replicas_by_node": _replicas_by_node(live),
             "requests": [{"seq_len": r[0], "prompt_tokens": r[1], "output_tokens": r[2], "kv_bytes": r[3],
                           "ttft": r[4], "itl": r[5], "e2e": r[6]} for r in recent],
         })

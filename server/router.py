@@ -10,6 +10,7 @@ choice falls back to power of two choices (Serve probes both and takes the short
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
@@ -19,6 +20,8 @@ from kvcache.block_pool import summary_key
 
 KV_FULL = 0.95  # above this KV usage, with requests waiting, a replica takes no affinity traffic
 DEFAULT_IMBALANCE = 8  # ongoing requests more than the least loaded replica's: fall back
+ROUTED_TTL_S = 5.0  # a prompt's blocks count as cached where it was sent, until summaries show them
+MAX_ROUTED_KEYS = 16384  # per replica
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,14 @@ def pick_replica(loads: Sequence[ReplicaLoad], block_hashes: Sequence[bytes],
     return best.replica_id
 
 
+def with_routed(cached: frozenset[bytes], routed: dict[bytes, float], now: float,
+                ttl: float = ROUTED_TTL_S) -> frozenset[bytes]:
+    """A replica's reported summary plus the blocks of prompts sent to it in the last `ttl` seconds:
+    the summary lags by a second or two, and a burst of one new prefix must not scatter meanwhile."""
+    recent = {k for k, t in routed.items() if now - t < ttl}
+    return cached | recent if recent else cached
+
+
 def routing_stats(num_running: int, num_waiting: int, kv_usage: float, cached: frozenset[bytes]) -> dict[str, Any]:
     """What a replica's `record_routing_stats` returns."""
     return {"num_running": num_running, "num_waiting": num_waiting, "kv_usage": kv_usage, "cached": cached}
@@ -67,22 +78,48 @@ def routing_stats(num_running: int, num_waiting: int, kv_usage: float, cached: f
 class CacheAwareRouter(FIFOMixin, RequestRouter):
     """Prefix-cache affinity on what each replica actually caches; power of two choices otherwise."""
 
+    imbalance = DEFAULT_IMBALANCE
+
     def initialize_state(self, imbalance: int = DEFAULT_IMBALANCE, **kwargs) -> None:
         self.imbalance = imbalance
 
-    def _load(self, replica: RunningReplica) -> ReplicaLoad:
+    @property
+    def _routed(self) -> dict[Any, dict[bytes, float]]:
+        """Per replica: summary key -> when a prompt with that block was last sent there."""
+        if not hasattr(self, "_routed_keys"):
+            self._routed_keys: dict[Any, dict[bytes, float]] = {}
+        return self._routed_keys
+
+    def _load(self, replica: RunningReplica, now: float) -> ReplicaLoad:
         stats = replica.routing_stats or {}
         live = self.replica_queue_len_cache.get(replica.replica_id)
         ongoing = live if live is not None else stats.get("num_running", 0) + stats.get("num_waiting", 0)
+        cached = with_routed(stats.get("cached", frozenset()), self._routed.get(replica.replica_id, {}), now)
         return ReplicaLoad(replica.replica_id, ongoing, stats.get("num_waiting", 0), stats.get("kv_usage", 0.0),
-                           stats.get("cached", frozenset()))
+                           cached)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        hashes = _block_hashes(pending_request)
+        if not hashes:
+            return
+        now = time.monotonic()
+        keys = self._routed.setdefault(replica_id, {})
+        if len(keys) > MAX_ROUTED_KEYS:
+            for k in [k for k, t in keys.items() if now - t >= ROUTED_TTL_S]:
+                del keys[k]
+        for h in hashes:
+            keys[summary_key(h)] = now
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._routed.pop(replica_id, None)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         hashes = _block_hashes(pending_request)
         if hashes and len(candidate_replicas) > 1:
-            chosen = pick_replica([self._load(r) for r in candidate_replicas], hashes,
-                                  getattr(self, "imbalance", DEFAULT_IMBALANCE))
+            now = time.monotonic()
+            chosen = pick_replica([self._load(r, now) for r in candidate_replicas], hashes, self.imbalance)
             if chosen is not None:
                 return [[r for r in candidate_replicas if r.replica_id == chosen]]
         return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]

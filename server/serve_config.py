@@ -33,6 +33,11 @@ class ServeConfig:
     # how requests pick among a model's replicas: "cache" (the replica whose prefix cache holds the
     # longest run of the prompt's blocks; the ingress tokenizes) or "pow2" (Serve's default)
     router: str = "cache"
+    # Ray custom resources: each model replica asks for `replica_resources` (e.g. one "replica_slot"
+    # per node spreads them); the ingress and the metrics hub for `ingress_resources` (pin them to a
+    # node that stays, e.g. the head)
+    replica_resources: dict[str, float] = field(default_factory=dict)
+    ingress_resources: dict[str, float] = field(default_factory=dict)
     limits: ApiLimits = field(default_factory=ApiLimits)  # serve.yaml: a mapping of ApiLimits fields
 
     def __post_init__(self) -> None:
@@ -49,6 +54,9 @@ class ServeConfig:
             raise ValueError("max_ongoing_requests must be >= 1")
         if self.num_cpus is not None and self.num_cpus <= 0:
             raise ValueError("num_cpus must be positive")
+        for resources in (self.replica_resources, self.ingress_resources):
+            if any(not isinstance(v, (int, float)) or v <= 0 for v in resources.values()):
+                raise ValueError("custom resources must be positive amounts, e.g. {\"replica_slot\": 1}")
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}")
         if self.autoscaling is not None and not {"min_replicas", "max_replicas"} <= set(self.autoscaling):

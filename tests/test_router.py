@@ -1,7 +1,7 @@
 """Cache-aware routing: the choice from given replica stats, and the hashes it matches on."""
 from kvcache.block_pool import BlockPool, summary_key
 from kvcache.manager import KVCacheManager, prompt_block_hashes
-from server.router import ReplicaLoad, num_cached_blocks, pick_replica
+from server.router import ROUTED_TTL_S, ReplicaLoad, num_cached_blocks, pick_replica, with_routed
 from server.serve_config import ServeConfig
 
 PROMPT = list(range(100, 170))  # 70 tokens: 4 full blocks of 16 are looked up (the last token never hits)
@@ -76,3 +76,11 @@ def test_cache_routing_applies_with_several_replicas():
     assert ServeConfig(num_replicas=2).routes_by_cache("default")
     assert not ServeConfig(num_replicas=2, router="pow2").routes_by_cache("default")
     assert ServeConfig(autoscaling={"min_replicas": 1, "max_replicas": 3}).routes_by_cache("default")
+
+
+def test_blocks_just_routed_count_until_summaries_catch_up():
+    routed = {summary_key(HASHES[0]): 100.0, summary_key(HASHES[1]): 100.0}
+    assert with_routed(frozenset(), routed, now=101.0) == keys(2)
+    assert with_routed(keys(1), routed, now=100.0 + ROUTED_TTL_S) == keys(1)  # expired: the summary alone
+    loads = [ReplicaLoad("a", 1, cached=with_routed(frozenset(), routed, 101.0)), ReplicaLoad("b", 0)]
+    assert pick_replica(loads, HASHES) == "a"  # a second request of a new prefix follows the first

@@ -1,0 +1,153 @@
+"""Two Ray nodes on one machine (`ray start --head` + `ray start --address`), `attnserve serve
+--address` with a model replica on each, and the second node's raylet killed under load.
+
+Node A (head) holds the ingress, the metrics hub and one replica; node B the other replica
+(custom resources place them). Killing B's raylet ends its requests with an error, never a hang;
+traffic goes on through A; Serve brings B's replica back when B rejoins.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loadtests.servers import BIN, free_port, running
+
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+
+
+def ray_start(*args: str) -> None:
+    subprocess.run([str(BIN / "ray"), "start", "--disable-usage-stats", "--num-cpus", "1",
+                    "--include-dashboard", "false", *args], env=ENV, check=True, capture_output=True, timeout=120)
+
+
+def node_ports() -> list[str]:
+    base = free_port()
+    return ["--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
+            "--metrics-export-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+            "--dashboard-agent-grpc-port", str(free_port()), "--runtime-env-agent-port", str(free_port()),
+            "--min-worker-port", str(base + 1000), "--max-worker-port", str(base + 1100)]
+
+
+def pids_with(text: str, name: str = "") -> list[int]:
+    """Processes whose command line holds `text` (and `name`)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if pid.isdigit() and text in cmd and name in cmd:
+            found.append(int(pid))
+    return found
+
+
+def replicas_by_node(url: str) -> dict[str, list[str]]:
+    (model,) = httpx.get(f"{url}/dashboard/data", timeout=30).json()["models"]
+    return model["replicas_by_node"]
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Load(threading.Thread):
+    """Streams chat completions back to back on `workers` connections; records each outcome."""
+
+    def __init__(self, url: str, workers: int = 4) -> None:
+        super().__init__(daemon=True)
+        self.url, self.workers = url, workers
+        self.outcomes: list[tuple[float, str]] = []  # (finish time, "ok" | "error-event" | "http-5xx")
+        self.stop = threading.Event()
+
+    def one(self, client: httpx.Client) -> str:
+        body = {"model": "tiny", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True,
+                "messages": [{"role": "user", "content": "count the stars"}]}
+        with client.stream("POST", f"{self.url}/v1/chat/completions", json=body) as r:
+            if r.status_code >= 500:
+                return "http-5xx"
+            assert r.status_code == 200, r.read()
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        if any('"error"' in line for line in lines):
+            return "error-event"
+        assert lines[-1] == "data: [DONE]"
+        return "ok"
+
+    def loop(self) -> None:
+        with httpx.Client(timeout=httpx.Timeout(30.0)) as client:  # NOTE: a hung stream fails the test here
+            while not self.stop.is_set():
+                self.outcomes.append((time.monotonic(), self.one(client)))
+
+    def run(self) -> None:
+        threads = [threading.Thread(target=self.loop, daemon=True) for _ in range(self.workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+@pytest.mark.slow
+def test_second_node_killed_under_load_then_rejoins(tiny_variants, tmp_path):
+    temp_dir = tempfile.mkdtemp(prefix="attnserve-2n-", dir="/tmp")  # NOTE: every process of this cluster names it
+    gcs_port, http_port = free_port(), free_port()
+    address = f"127.0.0.1:{gcs_port}"
+    node_b = ["--address", address, "--resources", json.dumps({"replica_slot": 1, "node_b": 1})]
+    try:
+        ray_start("--head", "--port", str(gcs_port), "--temp-dir", temp_dir, "--ray-client-server-port",
+                  str(free_port()), "--resources", json.dumps({"replica_slot": 1, "head": 1}), *node_ports())
+        ray_start(*node_b, *node_ports())
+        cmd = [str(BIN / "attnserve"), "serve", "--address", address, "--port", str(http_port),
+               "--proxy-location", "HeadOnly", "--model", f"tiny={tiny_variants['tiny-gqa']}", "--replicas", "2",
+               "--num-cpus", "0.5", "--dtype", "float32", "--enforce-eager", "--kv-cache-memory", "4MiB",
+               "--replica-resources", '{"replica_slot": 1}', "--ingress-resources", '{"head": 0.01}']
+        url = f"http://127.0.0.1:{http_port}"
+        with running(cmd, url, tmp_path / "serve.log", timeout=300):
+            nodes = wait_for(lambda: (lambda n: n if len(n) == 2 else None)(replicas_by_node(url)), 120,
+                             "a replica on each node")
+            assert sorted(len(ids) for ids in nodes.values()) == [1, 1]
+            metrics = httpx.get(f"{url}/metrics", timeout=30).text
+            assert 'attnserve_replicas{attention="gqa",kv_heads="2",model="tiny"} 2.0' in metrics  # both nodes summed
+
+            load = Load(url)
+            load.start()
+            wait_for(lambda: len(load.outcomes) >= 8, 60, "traffic before the kill")
+            raylet_b = [p for p in pids_with(temp_dir, "raylet") if p in pids_with('"node_b"', "raylet")
+                        or p in pids_with("node_b", "raylet")]
+            assert len(raylet_b) == 1, raylet_b
+            killed_at = time.monotonic()
+            os.kill(raylet_b[0], signal.SIGKILL)
+
+            # traffic goes on through node A
+            wait_for(lambda: sum(1 for t, o in load.outcomes if t > killed_at + 5 and o == "ok") >= 8, 90,
+                     "requests completing on node A after the kill")
+            ray_start(*node_b, *node_ports())  # node B rejoins; Serve places the replica there again
+            wait_for(lambda: (lambda n: n if len(n) == 2 else None)(replicas_by_node(url)), 180,
+                     "the replica back on the rejoined node")
+            load.stop.set()
+            load.join(timeout=60)
+            assert not load.is_alive()  # every stream ended: none hung past its timeout
+            outcomes = [o for _, o in load.outcomes]
+            assert set(outcomes) <= {"ok", "error-event", "http-5xx"}
+            assert outcomes.count("ok") > len(outcomes) // 2
+            used = httpx.get(f"{url}/dashboard/data", timeout=30).json()["models"][0]["kv_blocks_used"]
+            assert used == 0  # no block left held on the live replicas
+    finally:
+        for pid in pids_with(temp_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
