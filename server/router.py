@@ -3,9 +3,10 @@
 The ingress tokenizes a prompt once and hashes its full blocks with the prefix cache's own
 chained hash (`GenerateCall.block_hashes`). Every replica reports, about once a second
 (`record_routing_stats`), a bounded summary of the block hashes its prefix cache holds. A
-request goes to the replica holding the longest run of its blocks; when that replica is too
-much busier than the least loaded one, or its KV pool is full with requests waiting, the
-choice falls back to power of two choices (Serve probes both and takes the shorter queue).
+request goes to the replica holding the longest run of its blocks, and a prompt that no replica
+holds to the one with the fewest cached blocks; when the chosen replica is too much busier than
+the least loaded one, or its KV pool is full with requests waiting, the choice falls back to
+power of two choices (Serve probes both and takes the shorter queue).
 """
 from __future__ import annotations
 
@@ -47,15 +48,18 @@ def num_cached_blocks(block_hashes: Sequence[bytes], cached: frozenset[bytes]) -
 
 def pick_replica(loads: Sequence[ReplicaLoad], block_hashes: Sequence[bytes],
                  imbalance: int = DEFAULT_IMBALANCE) -> Hashable | None:
-    """The replica with the longest cached run of the prompt's blocks (ties: the less loaded);
-    None when none holds any, or when load says not to follow the cache."""
+    """The replica with the longest cached run of the prompt's blocks (ties: the less loaded). A
+    prompt no replica holds goes where the fewest blocks are cached, so new prefixes spread out.
+    None (pow2 decides) without block hashes, or when load says not to follow the cache."""
     if not loads or not block_hashes:
         return None
+    least = min(r.num_ongoing for r in loads)
     best = max(loads, key=lambda r: (num_cached_blocks(block_hashes, r.cached), -r.num_ongoing))
     if num_cached_blocks(block_hashes, best.cached) == 0:
-        return None
+        calm = [r for r in loads if r.num_ongoing - least <= imbalance]
+        return min(calm, key=lambda r: (len(r.cached), r.num_ongoing)).replica_id
     # NOTE: affinity never outweighs load: a busy or full replica hands the request to pow2
-    if best.num_ongoing - min(r.num_ongoing for r in loads) > imbalance:
+    if best.num_ongoing - least > imbalance:
         return None
     if best.kv_usage >= KV_FULL and best.num_waiting > 0:
         return None

@@ -89,10 +89,13 @@ class ServeConfig:
             return int(self.autoscaling.get("initial_replicas", self.autoscaling["min_replicas"]))
         return (self.model_replicas or {}).get(model, self.num_replicas)
 
+    def most_replicas(self, model: str) -> int:
+        """Replicas a model may grow to."""
+        return int(self.autoscaling["max_replicas"]) if self.autoscaling else self.replicas(model)
+
     def routes_by_cache(self, model: str) -> bool:
         """Cache-aware routing applies: the router is "cache" and the model may have several replicas."""
-        most = int(self.autoscaling["max_replicas"]) if self.autoscaling else self.replicas(model)
-        return self.router == "cache" and most > 1
+        return self.router == "cache" and self.most_replicas(model) > 1
 
     @property
     def total_replicas(self) -> int:
@@ -104,5 +107,6 @@ class ServeConfig:
             return self.num_cpus
         if not cluster_cpus:
             return 1.0
-        share = cluster_cpus / self.total_replicas
-        return max(0.05, min(share, 4.0) // 0.05 * 0.05)
+        # NOTE: shared among as many replicas as autoscaling may start, so the last one still fits
+        share = cluster_cpus / sum(self.most_replicas(m) for m in self.models)
+        return max(0.05, int(min(share, 4.0) * 20 + 1e-9) / 20)  # whole twentieths of a CPU

@@ -72,6 +72,12 @@ def test_models_stay_apart():
     assert [m["model"] for m in data["models"]] == ["a", "b"] and data["models"][0]["requests"][0]["kv_bytes"] == 640
 
 
+def test_dashboard_lists_replicas_per_node():
+    snaps = [{**snapshot("a", "gqa", 2), "replica": r, "node": n} for r, n in (("r2", "nB"), ("r1", "nA"), ("r3", "nA"))]
+    (model,) = dashboard_data(snaps)["models"]
+    assert model["replicas_by_node"] == {"nA": ["r1", "r3"], "nB": ["r2"]} and model["replicas"] == 3
+
+
 def test_promtool_accepts_the_exposition():
     assert shutil.which("promtool"), "promtool missing: `make test` installs Debian's prometheus package"
     text = render_prometheus([snapshot(), snapshot("b", "mha", 4)])

@@ -52,10 +52,13 @@ def test_ties_go_to_the_less_loaded():
     assert pick_replica(loads, HASHES) == "b"
 
 
-def test_no_hit_anywhere_falls_back():
-    loads = [ReplicaLoad("a", 0), ReplicaLoad("b", 0)]
-    assert pick_replica(loads, HASHES) is None
-    assert pick_replica([ReplicaLoad("a", 0, cached=keys(4))], []) is None  # nothing to match on
+def test_a_new_prefix_goes_where_the_fewest_blocks_are_cached():
+    other = frozenset(summary_key(h) for h in prompt_block_hashes(list(range(300, 370)), 16))
+    loads = [ReplicaLoad("a", 0, cached=other), ReplicaLoad("b", 1, cached=other | keys(0)), ReplicaLoad("c", 2)]
+    assert pick_replica(loads, HASHES) == "c"
+    busy = [ReplicaLoad("a", 0, cached=other), ReplicaLoad("c", 20)]
+    assert pick_replica(busy, HASHES) == "a"  # not onto a replica far busier than the rest
+    assert pick_replica([ReplicaLoad("a", 0, cached=keys(4))], []) is None  # nothing to match on: pow2
 
 
 def test_imbalance_falls_back():
@@ -76,6 +79,11 @@ def test_cache_routing_applies_with_several_replicas():
     assert ServeConfig(num_replicas=2).routes_by_cache("default")
     assert not ServeConfig(num_replicas=2, router="pow2").routes_by_cache("default")
     assert ServeConfig(autoscaling={"min_replicas": 1, "max_replicas": 3}).routes_by_cache("default")
+
+
+def test_autoscaled_replicas_share_cpus_as_if_all_ran():
+    assert ServeConfig(autoscaling={"min_replicas": 1, "max_replicas": 2}).replica_cpus(2.0) == 1.0
+    assert ServeConfig(num_replicas=1).replica_cpus(2.0) == 2.0
 
 
 def test_blocks_just_routed_count_until_summaries_catch_up():
