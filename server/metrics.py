@@ -18,6 +18,7 @@ from typing import Any, Iterable
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from server.kv_forms import kv_forms
 from server.wire import EngineStats, ModelInfo, RequestStats
 
 PREFIX = "attnserve"
@@ -164,6 +165,7 @@ class MetricsRecorder:
                 "resident_memory_bytes": resident_memory_bytes() + e.resident_memory_bytes,
             },
             "static": {"kv_bytes_per_token": info.kv_bytes_per_token, "block_size": info.block_size,
+                       "num_heads": info.num_heads, "num_blocks": info.num_blocks,
                        "max_model_len": info.max_model_len},
             "histograms": hist,
             "recent": recent,
@@ -282,6 +284,14 @@ def render_prometheus(snapshots: list[dict], now: float | None = None) -> bytes:
     return generate_latest(registry)
 
 
+def _forms(static: dict, kv_heads: int) -> list[dict]:
+    """MHA / GQA / MQA what-if rows for one replica's pool (older snapshots lack the head count)."""
+    if not static.get("num_heads") or not static.get("num_blocks"):
+        return []
+    pool = static["num_blocks"] * static["block_size"] * static["kv_bytes_per_token"]
+    return kv_forms(static["num_heads"], kv_heads, static["kv_bytes_per_token"], pool, static["block_size"])
+
+
 def _replicas_by_node(live: list[dict]) -> dict[str, list[str]]:
     nodes: dict[str, list[str]] = {}
     for snap in live:
@@ -307,6 +317,7 @@ def dashboard_data(snapshots: list[dict], now: float | None = None) -> dict[str,
             "replicas": len(live),
             # NOTE: replicas report a "replica" and "node" (Ray ids) next to their counts
             "replicas_by_node": _replicas_by_node(live),
+            "forms": _forms(static, int(kv_heads)),
             "requests": [{"seq_len": r[0], "prompt_tokens": r[1], "output_tokens": r[2], "kv_bytes": r[3],
                           "ttft": r[4], "itl": r[5], "e2e": r[6]} for r in recent],
         })

@@ -104,6 +104,7 @@ class ModelInfo:
     vocab_size: int
     block_size: int
     num_blocks: int
+    num_heads: int  # query heads: with num_kv_heads, what MHA / GQA / MQA forms would cost
 
 
 # ---- replica <-> engine process ------------------------------------------------------------------

@@ -29,7 +29,10 @@ def test_perplexity_equals_transformers_loss(tiny_checkpoints):
     assert sliding != pytest.approx(math.exp(loss), rel=1e-6) and math.isfinite(sliding) and sliding > 1
 
 
-def test_eval_table_mha_expansion_equals_gqa(tiny_variants, tmp_path, capsys):
+def test_eval_table_mha_expansion_equals_gqa(tiny_variants, tmp_path, capsys, monkeypatch):
+    from server import eval_results
+
+    monkeypatch.setenv("ATTNSERVE_CACHE_DIR", str(tmp_path / "cache"))  # where the dashboard's copy goes
     text, out = tmp_path / "text.txt", tmp_path / "eval.json"
     text.write_text(TEXT)
     args = ["eval", "--text", str(text), "--dtype", "float32", "--window", "48", "--stride", "16", "--json", str(out)]
@@ -47,3 +50,4 @@ def test_eval_table_mha_expansion_equals_gqa(tiny_variants, tmp_path, capsys):
     assert mqa["perplexity"] != pytest.approx(gqa["perplexity"], rel=1e-4)  # mean-pooling is not
     table = capsys.readouterr().out
     assert "perplexity" in table and str(tiny_variants["tiny-mqa"]) in table
+    assert eval_results.load() == rows  # kept for the dashboard too

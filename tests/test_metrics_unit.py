@@ -72,6 +72,35 @@ def test_models_stay_apart():
     assert [m["model"] for m in data["models"]] == ["a", "b"] and data["models"][0]["requests"][0]["kv_bytes"] == 640
 
 
+def test_every_model_gets_its_mha_gqa_mqa_forms():
+    from server.kv_forms import kv_forms
+
+    rows = kv_forms(num_heads=9, num_kv_heads=3, kv_bytes_per_token=23040, pool_bytes=2**30, block_size=16)
+    assert [(r["attention"], r["kv_heads"], r["kv_bytes_per_token"], r["what_if"]) for r in rows] == [
+        ("mha", 9, 69120, True), ("gqa", 3, 23040, False), ("mqa", 1, 7680, True)]
+    assert [r["admitted_requests"] for r in rows] == [2**30 // (b * 16) // 64 for b in (69120, 23040, 7680)]
+    mha = kv_forms(num_heads=12, num_kv_heads=12, kv_bytes_per_token=1200, pool_bytes=2**20, block_size=16)
+    assert [(r["attention"], r["kv_heads"], r["what_if"]) for r in mha] == [
+        ("mha", 12, False), ("gqa", 6, True), ("mqa", 1, True)]
+    snap = snapshot("a", "gqa", 2)
+    snap["static"].update(num_heads=4, num_blocks=10)
+    (model,) = dashboard_data([snap])["models"]
+    assert [f["kv_heads"] for f in model["forms"]] == [4, 2, 1]
+
+
+def test_eval_rows_merge_in_the_cache(tmp_path, monkeypatch):
+    from server import eval_results
+
+    monkeypatch.setenv("ATTNSERVE_CACHE_DIR", str(tmp_path))
+    assert eval_results.load() == []
+    row = {"model": "m", "attention": "gqa", "kv_heads": 2, "kv_cache_dtype": "bfloat16",
+           "kv_bytes_per_token": 8, "perplexity": 3.0}
+    eval_results.save([row, {**row, "model": "n"}])
+    eval_results.save([{**row, "perplexity": 2.5}])  # the same model and KV dtype again: replaced
+    assert sorted((r["model"], r["perplexity"]) for r in eval_results.load()) == [("m", 2.5), ("n", 3.0)]
+    assert eval_results.results_path().parent == tmp_path / "eval"
+
+
 def test_dashboard_lists_replicas_per_node():
     snaps = [{**snapshot("a", "gqa", 2), "replica": r, "node": n} for r, n in (("r2", "nB"), ("r1", "nA"), ("r3", "nA"))]
     (model,) = dashboard_data(snaps)["models"]

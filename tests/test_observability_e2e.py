@@ -165,6 +165,9 @@ def test_dashboard_draws_every_model_in_headless_chromium(serve_url, traffic, tm
         points = json.loads(raw.replace("&quot;", '"'))
         assert set(points) == set(MODELS), (chart, points)
         assert all(n > 0 for n in points.values()), (chart, points)
+    forms = re.search(r'<table id="forms">(.*?)</table>', dom, re.S).group(1)
+    assert forms.count("what-if") == 2 * len(MODELS) and forms.count("served") == len(MODELS)  # each model's 3 forms
+    assert re.search(r'<table id="eval">.+?</table>', dom, re.S)
     OUTPUT.mkdir(exist_ok=True)
     shot = OUTPUT / "dashboard.png"
     res = chromium(f"--user-data-dir={tmp_path / 'profile2'}", f"--screenshot={shot}", f"{serve_url}/dashboard")

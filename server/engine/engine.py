@@ -69,7 +69,7 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.info = ModelInfo(self.max_model_len, cfg.attention_kind, cfg.num_kv_heads, self.kv_spec.bytes_per_token,
-                              cfg.vocab_size, config.block_size, num_blocks)
+                              cfg.vocab_size, config.block_size, num_blocks, cfg.num_heads)
         self.groups: dict[str, list[Request]] = {}
         self.num_steps = 0
         self.num_step_errors = 0
