@@ -167,7 +167,8 @@ def _serve(args: argparse.Namespace) -> int:
         ingress_resources=json.loads(args.ingress_resources),
         limits=ApiLimits(max_n=args.max_n, max_tokens=args.max_tokens_limit,
                          max_body_bytes=parse_size(args.max_body_size),
-                         max_concurrent_streams=args.max_concurrent_streams),
+                         max_concurrent_streams=args.max_concurrent_streams,
+                         max_attention_tokens=args.max_attention_tokens),
     )
     joined = args.address is not None
     if joined:
@@ -340,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-n", type=int, default=ld["max_n"], help="largest `n` a request may ask for")
     srv.add_argument("--max-tokens-limit", type=int, default=ld["max_tokens"], help="largest `max_tokens` a request may ask for")
     srv.add_argument("--max-body-size", default=ld["max_body_bytes"], help="larger request bodies get 413")
+    srv.add_argument("--max-attention-tokens", type=int, default=ld["max_attention_tokens"],
+                     help="longest prompt POST /v1/attention takes")
     srv.add_argument("--max-concurrent-streams", type=int, default=ld["max_concurrent_streams"], help="per ingress replica; beyond it 429")
     srv.add_argument("--drain-timeout", type=float, default=sd["graceful_shutdown_timeout_s"], help="seconds in-flight requests get on shutdown")
     srv.add_argument("--route-prefix", default="/", help="HTTP route prefix of the application")

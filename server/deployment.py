@@ -31,7 +31,7 @@ from server.local_client import LocalModelClient
 from server.openai_api import ApiLimits, OpenAIApi
 from server.router import CacheAwareRouter, routing_stats
 from server.serve_config import ServeConfig
-from server.wire import Chunk, GenerateCall, ModelInfo, PromptInfo
+from server.wire import AttentionCall, AttentionMap, Chunk, GenerateCall, ModelInfo, PromptInfo
 from server.worker import ModelWorker, encode_prompt
 
 logger = logging.getLogger(__name__)
@@ -154,6 +154,9 @@ class ModelReplica:
     async def decode(self, token_ids: list[int]) -> str:
         return self.worker.decode(token_ids)
 
+    async def attention(self, call: AttentionCall) -> AttentionMap:
+        return await self.worker.attention(call)
+
     def __del__(self) -> None:
         reporter = getattr(self, "reporter", None)
         if reporter is not None:
@@ -242,6 +245,9 @@ class RayModelClient:
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self.handle.decode.remote(token_ids)
+
+    async def attention(self, call: AttentionCall) -> AttentionMap:
+        return await self.handle.attention.remote(call)
 
 
 @serve.deployment(max_ongoing_requests=2048, ray_actor_options={"num_cpus": 0})

@@ -21,7 +21,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server import eval_results
 from server.metrics import dashboard_data, render_prometheus
 from server.openai_api import ApiError, OpenAIApi
-from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+from server.protocol import (AttentionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                             TokenizeRequest, error_body)
 
 logger = logging.getLogger(__name__)
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
@@ -124,8 +125,8 @@ def create_app(api: OpenAIApi, api_key: str | None = None,
                snapshots: Callable[[], Awaitable[list[dict]]] | None = None) -> FastAPI:
     """`snapshots` returns every replica's metrics snapshot (see server/metrics.py)."""
     app = FastAPI(title="attnserve", version="0.1.0", description="OpenAI-compatible text generation")
-    page, uplot_js, uplot_css = ((STATIC / name).read_bytes() for name in
-                                 ("dashboard.html", "uplot/uPlot.iife.min.js", "uplot/uPlot.min.css"))
+    page, attention_page, uplot_js, uplot_css = ((STATIC / name).read_bytes() for name in (
+        "dashboard.html", "attention.html", "uplot/uPlot.iife.min.js", "uplot/uPlot.min.css"))
     app.add_middleware(GuardMiddleware, max_body_bytes=api.limits.max_body_bytes, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
@@ -172,6 +173,10 @@ def create_app(api: OpenAIApi, api_key: str | None = None,
     async def dashboard() -> Response:
         return Response(page, media_type="text/html")
 
+    @app.get("/dashboard/attention")
+    async def dashboard_attention() -> Response:
+        return Response(attention_page, media_type="text/html")
+
     @app.get("/dashboard/data")
     async def dashboard_json() -> JSONResponse:
         # NOTE: eval rows come from the file `attnserve eval` writes; nothing is computed here
@@ -200,6 +205,10 @@ def create_app(api: OpenAIApi, api_key: str | None = None,
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         return JSONResponse(await api.tokenize(body))
+
+    @app.post("/v1/attention")
+    async def attention(body: AttentionRequest, request: Request) -> JSONResponse:
+        return JSONResponse(await api.attention(body))
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:

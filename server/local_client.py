@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from server.wire import Chunk, GenerateCall, ModelInfo, PromptInfo
+from server.wire import AttentionCall, AttentionMap, Chunk, GenerateCall, ModelInfo, PromptInfo
 from server.worker import ModelWorker
 
 
@@ -26,3 +26,6 @@ class LocalModelClient:
 
     async def decode(self, token_ids: list[int]) -> str:
         return self.worker.decode(token_ids)
+
+    async def attention(self, call: AttentionCall) -> AttentionMap:
+        return await self.worker.attention(call)

@@ -12,8 +12,9 @@ from typing import Any, AsyncIterator, Protocol
 
 from server.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from server.engine.sampling_params import SamplingParams
-from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
-from server.wire import Chunk, GenerateCall, LogprobEntry, ModelInfo, PromptInfo
+from server.protocol import (AttentionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                             TokenizeRequest, error_body)
+from server.wire import AttentionCall, AttentionMap, Chunk, GenerateCall, LogprobEntry, ModelInfo, PromptInfo
 
 
 class ModelClient(Protocol):
@@ -22,6 +23,7 @@ class ModelClient(Protocol):
     def generate(self, call: GenerateCall) -> AsyncIterator[PromptInfo | Chunk]: ...
     async def encode(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool) -> list[int]: ...
     async def decode(self, token_ids: list[int]) -> str: ...
+    async def attention(self, call: AttentionCall) -> AttentionMap: ...
 
 
 HEALTH_TIMEOUT_S = 2.0
@@ -34,9 +36,11 @@ class ApiLimits:
     max_prompts: int = 32
     max_body_bytes: int = 4 * 2**20
     max_concurrent_streams: int = 1024
+    max_attention_tokens: int = 512  # POST /v1/attention: its answer grows with the prompt's square
 
     def __post_init__(self) -> None:
-        if min(self.max_n, self.max_tokens, self.max_prompts, self.max_body_bytes, self.max_concurrent_streams) < 1:
+        if min(self.max_n, self.max_tokens, self.max_prompts, self.max_body_bytes, self.max_concurrent_streams,
+               self.max_attention_tokens) < 1:
             raise ValueError("API limits must be positive")
 
 
@@ -182,6 +186,21 @@ class OpenAIApi:
         except BaseException as e:
             raise _as_api_error(e) from None
         return {"tokens": ids, "count": len(ids), "max_model_len": info.max_model_len}
+
+    async def attention(self, body: AttentionRequest) -> dict[str, Any]:
+        """Attention weights (heads x query x key) per layer, from the reference formula."""
+        client = self._client(body.model)
+        prompt = body.prompt if isinstance(body.prompt, str) else None
+        ids = tuple(body.prompt) if isinstance(body.prompt, list) else None
+        messages = tuple(m.as_template_input() for m in body.messages) if body.messages else None
+        call = AttentionCall(prompt, ids, messages, tuple(body.layers) if body.layers else None,
+                             self.limits.max_attention_tokens)
+        try:
+            result = await client.attention(call)
+        except BaseException as e:
+            raise _as_api_error(e) from None
+        return {"model": body.model, "tokens": list(result.tokens), "token_ids": list(result.token_ids),
+                "layers": [{"layer": i, "weights": w} for i, w in result.layers]}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         client = self._client(body.model)

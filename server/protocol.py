@@ -139,6 +139,19 @@ class TokenizeRequest(_Body):
         return self
 
 
+class AttentionRequest(_Body):
+    model: StrictStr
+    prompt: StrictStr | list[StrictInt] | None = None
+    messages: list[ChatMessage] | None = None
+    layers: list[StrictInt] | None = Field(None, min_length=1)  # default: every layer
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
 class DetokenizeRequest(_Body):
     model: StrictStr
     tokens: list[StrictInt]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from server.engine.sampling_params import SamplingParams
 
@@ -152,6 +153,24 @@ class StepOutputs:
 
 
 @dataclass(frozen=True)
+class ComputeAttention:
+    """Replica -> engine: attention weights of one prompt (the written-out formula, eager)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    layers: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    """Engine -> replica: per layer (index, float32 array heads x T x T), or why not."""
+
+    request_id: str
+    layers: tuple[tuple[int, Any], ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class CachedBlocks:
     """A bounded summary of the prefix cache (`router.summary_key` of each cached block's hash,
     the newest first kept), sent about once a second while the engine works: replicas report
@@ -181,6 +200,26 @@ class GenerateCall:
     fit_max_tokens: bool = False  # max_tokens not given: use what the context leaves (capped by params)
     stream: bool = True  # False: one chunk per sample, when it finishes
     block_hashes: tuple[bytes, ...] = ()  # the prompt's full blocks' prefix-cache hashes (cache-aware routing)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One prompt whose attention weights to compute (`POST /v1/attention`)."""
+
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[dict, ...] | None = None
+    layers: tuple[int, ...] | None = None  # None: every layer
+    max_tokens: int = 512  # a longer prompt is refused (the weights grow with its square)
+
+
+@dataclass(frozen=True)
+class AttentionMap:
+    """Per chosen layer, heads x query x key weights (nested lists), and the prompt's tokens."""
+
+    tokens: tuple[str, ...]
+    token_ids: tuple[int, ...]
+    layers: tuple[tuple[int, list], ...]
 
 
 @dataclass(frozen=True)

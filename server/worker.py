@@ -14,8 +14,8 @@ from server.engine.config import EngineConfig
 from server.engine.core_client import EngineCoreClient
 from server.engine.errors import InvalidRequestError, QueueFullError
 from server.metrics import MetricsRecorder
-from server.wire import (Chunk, GenerateCall, LogprobEntry, ModelInfo, PromptInfo, RequestOutput, StepOutputs,
-                         TokenLogprob)
+from server.wire import (AttentionCall, AttentionMap, Chunk, GenerateCall, LogprobEntry, ModelInfo, PromptInfo,
+                         RequestOutput, StepOutputs, TokenLogprob)
 
 
 def _byte_level_table() -> dict[str, int]:
@@ -141,6 +141,23 @@ class ModelWorker:
         # sample from the engine and to the ingress, not one per token
         async for out in stream:
             yield self._chunk(out)
+
+    async def attention(self, call: AttentionCall) -> AttentionMap:
+        """The prompt's attention weights per layer; InvalidRequestError for a prompt over
+        `call.max_tokens` or a layer the model does not have."""
+        if call.prompt_token_ids is not None:
+            ids = list(call.prompt_token_ids)
+        else:
+            ids = self.encode(call.prompt, call.messages)
+        check_token_ids(self.info, ids, "prompt")
+        if len(ids) > call.max_tokens:
+            raise InvalidRequestError(f"the prompt has {len(ids)} tokens; attention maps take at most "
+                                      f"{call.max_tokens}", "prompt")
+        answer = await self.engine.attention(ids, call.layers)
+        if answer.error is not None:
+            raise InvalidRequestError(answer.error, "layers")
+        tokens = tuple(self._token_str(t)[0] for t in ids)
+        return AttentionMap(tokens, tuple(ids), tuple((i, w.tolist()) for i, w in answer.layers))
 
     def _chunk(self, out: RequestOutput) -> Chunk:
         s = out.stats

@@ -205,3 +205,40 @@ def test_non_streaming_call_gets_one_chunk_per_sample(api):
         assert chunk.token_ids == tuple(t for c in parts for t in c.token_ids) and len(chunk.token_ids) == 7
         assert chunk.text == "".join(c.text for c in parts) and chunk.finish_reason == "length"
         assert chunk.num_output_tokens == 7 and chunk.peak_kv_bytes == parts[-1].peak_kv_bytes > 0
+
+
+def test_attention_weights_over_http(api, app, tiny_checkpoints):
+    import torch
+
+    from models import load_model
+    from models.attention_maps import attention_weights
+
+    r = call(app, "POST", "/v1/attention", json={"model": "tiny", "prompt": "The capital of France", "layers": [0, 1]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert set(body) == {"model", "tokens", "token_ids", "layers"} and len(body["tokens"]) == len(body["token_ids"])
+    t = len(body["token_ids"])
+    expected = attention_weights(load_model(tiny_checkpoints["llama"], torch.float32), body["token_ids"], [0, 1])
+    assert [layer["layer"] for layer in body["layers"]] == [0, 1]
+    for layer in body["layers"]:
+        w = torch.tensor(layer["weights"])  # (heads, query, key)
+        assert w.shape == (4, t, t) and (w.triu(diagonal=1) == 0).all()
+        assert torch.allclose(w.sum(-1), torch.ones(4, t), atol=1e-5)
+        assert torch.allclose(w, expected[layer["layer"]], atol=1e-6)
+    chat = call(app, "POST", "/v1/attention", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200 and len(chat.json()["layers"]) == 2  # every layer of the tiny model
+    assert len(chat.json()["token_ids"]) > 2  # the chat template's tokens too
+
+
+def test_attention_bad_input_is_4xx(api, app):
+    capped = create_app(OpenAIApi(api.clients, ApiLimits(max_attention_tokens=8)), api_key="k")
+    auth = {"Authorization": "Bearer k"}
+    assert_error(call(capped, "POST", "/v1/attention", json={"model": "tiny", "prompt": "x"}), 401)
+    long = {"model": "tiny", "prompt": list(range(10, 30))}
+    assert_error(call(capped, "POST", "/v1/attention", json=long, headers=auth), 400, "prompt", "at most 8")
+    assert_error(call(app, "POST", "/v1/attention", json={"model": "tiny", "prompt": "x", "layers": [7]}), 400,
+                 "layers", "out of range")
+    assert_error(call(app, "POST", "/v1/attention", json={"model": "tiny", "prompt": [10**6]}), 400, "prompt")
+    both = {"model": "tiny", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}
+    assert_error(call(app, "POST", "/v1/attention", json=both), 400)
+    assert_error(call(app, "POST", "/v1/attention", json={"model": "nope", "prompt": "x"}), 404)

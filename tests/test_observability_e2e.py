@@ -172,3 +172,21 @@ def test_dashboard_draws_every_model_in_headless_chromium(serve_url, traffic, tm
     shot = OUTPUT / "dashboard.png"
     res = chromium(f"--user-data-dir={tmp_path / 'profile2'}", f"--screenshot={shot}", f"{serve_url}/dashboard")
     assert res.returncode == 0 and shot.stat().st_size > 10_000
+
+
+def test_attention_heatmap_page_in_headless_chromium(serve_url, tmp_path):
+    """The page asks /v1/attention and draws the chosen layer and head with the tokens on both axes."""
+    import re
+    from urllib.parse import quote
+
+    url = f"{serve_url}/dashboard/attention?model=tiny-gqa&layer=1&head=2&prompt={quote('The capital of France')}"
+    res = chromium(f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", url)
+    assert res.returncode == 0, res.stderr[-2000:]
+    canvas = re.search(r'<canvas id="heatmap"[^>]*>', res.stdout).group(0)
+    attrs = dict(re.findall(r'data-([a-z]+)="([^"]*)"', canvas))
+    assert int(attrs["tokens"]) > 2 and attrs["layer"] == "1" and attrs["head"] == "2", canvas
+    assert 0 < float(attrs["max"]) <= 1
+    OUTPUT.mkdir(exist_ok=True)
+    shot = OUTPUT / "attention.png"
+    res = chromium(f"--user-data-dir={tmp_path / 'profile2'}", f"--screenshot={shot}", url)
+    assert res.returncode == 0 and shot.stat().st_size > 10_000

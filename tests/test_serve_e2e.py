@@ -233,3 +233,19 @@ def test_cli_serve_joins_an_existing_cluster(serve_url, tiny_variants):
 
     assert "joined" not in serve.status().applications  # only our application was removed...
     assert httpx.get(f"{serve_url}/health").status_code == 200  # ...the cluster and other apps live on
+
+
+def test_attention_map_through_serve(serve_url):
+    """/v1/attention through the ingress to a model replica and its engine process (GQA: 4 query heads)."""
+    r = httpx.post(f"{serve_url}/v1/attention", timeout=60,
+                   json={"model": "tiny-gqa", "prompt": "The capital of France", "layers": [1]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    (layer,) = body["layers"]
+    t = len(body["token_ids"])
+    assert layer["layer"] == 1 and len(layer["weights"]) == 4 and all(len(q) == t for q in layer["weights"])
+    for head in layer["weights"]:
+        for i, row in enumerate(head):
+            assert abs(sum(row) - 1) < 1e-5 and all(w == 0 for w in row[i + 1:])
+    bad = httpx.post(f"{serve_url}/v1/attention", timeout=60, json={"model": "tiny-gqa", "prompt": "x", "layers": [9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "layers"

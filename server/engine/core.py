@@ -4,9 +4,11 @@ It owns the model, the KV cache and the scheduler, away from the replica's GIL (
 streaming, Ray's threads). It speaks over one local socket (`multiprocessing.connection`,
 pickled values from `server/wire.py`):
 
-    replica -> engine   EngineConfig, then AddRequest | AbortRequest (| InjectStepFailures | SlowSteps)
+    replica -> engine   EngineConfig, then AddRequest | AbortRequest | ComputeAttention
+                        (| InjectStepFailures | SlowSteps)
     engine  -> replica  EngineReady, then StepOutputs after every loop that changed anything, and
-                        CachedBlocks (a prefix-cache summary) about once a second after steps ran
+                        CachedBlocks (a prefix-cache summary) about once a second after steps ran,
+                        AttentionWeights in answer to ComputeAttention
 
 Detokenization and stop strings stay here, in the step that produced the token: a stop string
 ends its sequence (and frees its blocks) at once, with no extra steps, and offline and served
@@ -25,7 +27,8 @@ from multiprocessing.connection import Connection
 
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
-from server.wire import AbortRequest, AddRequest, CachedBlocks, EngineReady, InjectStepFailures, RequestOutput, SlowSteps, StepOutputs
+from server.wire import (AbortRequest, AddRequest, AttentionWeights, CachedBlocks, ComputeAttention, EngineReady,
+                         InjectStepFailures, RequestOutput, SlowSteps, StepOutputs)
 
 logger = logging.getLogger(__name__)
 STATS_EVERY_S = 0.1  # the longest a replica's view of the engine's stats goes stale while it runs
@@ -81,12 +84,24 @@ class EngineCore:
             outputs = self.engine.abort(command.request_id)
             if outputs:
                 self.conn.send(StepOutputs(tuple(outputs), self.engine.stats()))
+        elif isinstance(command, ComputeAttention):
+            self.conn.send(self._attention(command))
         elif isinstance(command, InjectStepFailures):
             self._inject_step_failures(command.count)
         elif isinstance(command, SlowSteps):
             self.step_delay_s = command.delay_s
         else:
             raise TypeError(f"unknown engine command {command!r}")
+
+    def _attention(self, command: ComputeAttention) -> AttentionWeights:
+        """Between steps, on the engine's own model: one eager forward with the reference attention."""
+        from models.attention_maps import attention_weights
+
+        try:
+            weights = attention_weights(self.engine.model, command.token_ids, command.layers)
+        except ValueError as e:
+            return AttentionWeights(command.request_id, error=str(e))
+        return AttentionWeights(command.request_id, tuple((i, w.numpy()) for i, w in weights.items()))
 
     def _inject_step_failures(self, count: int) -> None:
         """Chaos testing: the next `count` model steps raise, as a real failure would."""

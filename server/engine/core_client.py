@@ -22,8 +22,8 @@ from typing import AsyncIterator, Callable, Sequence
 from server.engine.config import EngineConfig
 from server.engine.errors import EngineDeadError, QueueFullError
 from server.engine.sampling_params import SamplingParams
-from server.wire import (AbortRequest, AddRequest, CachedBlocks, EngineReady, EngineStats, InjectStepFailures,
-                         ModelInfo, RequestOutput, SlowSteps, StepOutputs)
+from server.wire import (AbortRequest, AddRequest, AttentionWeights, CachedBlocks, ComputeAttention, EngineReady,
+                         EngineStats, InjectStepFailures, ModelInfo, RequestOutput, SlowSteps, StepOutputs)
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 900.0  # a cold start compiles the model step
@@ -44,6 +44,7 @@ class EngineCoreClient:
         self.pid: int = ready.pid
         self.stats: EngineStats = ready.stats  # the latest, replaced whole (never mutated)
         self.cached_blocks: frozenset[bytes] = frozenset()  # the latest prefix-cache summary
+        self._answers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # ComputeAttention
         self.dead: str | None = None  # why the engine process is gone
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._send_lock = threading.Lock()
@@ -114,6 +115,19 @@ class EngineCoreClient:
             if not done:
                 self.abort(request_id)
 
+    async def attention(self, token_ids: Sequence[int], layers: Sequence[int] | None) -> AttentionWeights:
+        """Attention weights of one prompt, computed by the engine process between steps."""
+        if not self.is_alive:
+            raise EngineDeadError(f"engine process is not running: {self.dead or 'exited'}")
+        request_id = uuid.uuid4().hex
+        future = asyncio.get_running_loop().create_future()
+        self._answers[request_id] = (asyncio.get_running_loop(), future)
+        try:
+            self._send(ComputeAttention(request_id, tuple(token_ids), tuple(layers) if layers else None))
+            return await future
+        finally:
+            self._answers.pop(request_id, None)
+
     def abort(self, request_id: str) -> None:
         try:
             self._send(AbortRequest(request_id))
@@ -148,9 +162,14 @@ class EngineCoreClient:
                 self.process.kill()
                 return
 
-    def _receive(self, message: StepOutputs | CachedBlocks) -> None:
+    def _receive(self, message: StepOutputs | CachedBlocks | AttentionWeights) -> None:
         if isinstance(message, CachedBlocks):
             self.cached_blocks = message.keys
+            return
+        if isinstance(message, AttentionWeights):
+            waiter = self._answers.pop(message.request_id, None)
+            if waiter is not None:
+                waiter[0].call_soon_threadsafe(_resolve, waiter[1], message)
             return
         self.stats = message.stats
         if self.on_outputs is not None:
@@ -165,6 +184,11 @@ class EngineCoreClient:
             self.dead = why
             logger.error("engine process died: %s", why)  # Serve's health check restarts the replica
         error = EngineDeadError(f"engine process stopped: {self.dead}")
+        for loop, future in list(self._answers.values()):
+            try:
+                loop.call_soon_threadsafe(_resolve, future, error)
+            except RuntimeError:  # that event loop is closed
+                pass
         for loop, q in list(self._streams.values()):
             try:
                 loop.call_soon_threadsafe(q.put_nowait, error)
@@ -211,6 +235,15 @@ def join_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     return replace(outputs[-1], new_token_ids=tuple(t for o in outputs for t in o.new_token_ids),
                    new_text="".join(o.new_text for o in outputs),
                    new_logprobs=tuple(lp for o in outputs for lp in o.new_logprobs))
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if future.done():
+        return
+    if isinstance(value, BaseException):
+        future.set_exception(value)
+    else:
+        future.set_result(value)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
