@@ -31,12 +31,16 @@ def ray_start(*args: str) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def node_ports() -> list[str]:
-    base = free_port()
+WORKER_PORTS = 20000 + random.randrange(40) * 300  # NOTE: below the ephemeral range free_port() draws from
+
+
+def node_ports(node: int) -> list[str]:
+    """Explicit ports for a second raylet on this machine; worker ports in a range of their own per node."""
+    base = WORKER_PORTS + 100 * node
     return ["--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
             "--metrics-export-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
             "--dashboard-agent-grpc-port", str(free_port()), "--runtime-env-agent-port", str(free_port()),
-            "--min-worker-port", str(base + 1000), "--max-worker-port", str(base + 1100)]
+            "--min-worker-port", str(base), "--max-worker-port", str(base + 99)]
 
 
 def pids_with(text: str, name: str = "") -> list[int]:
@@ -113,8 +117,8 @@ def test_second_node_killed_under_load_then_rejoins(tiny_variants, tmp_path):
     try:
         ray_start("--head", "--include-dashboard", "false", "--port", str(gcs_port), "--temp-dir", temp_dir,
                   "--ray-client-server-port",
-                  str(free_port()), "--resources", json.dumps({"replica_slot": 1, "head": 1}), *node_ports())
-        ray_start(*node_b, *node_ports())
+                  str(free_port()), "--resources", json.dumps({"replica_slot": 1, "head": 1}), *node_ports(0))
+        ray_start(*node_b, *node_ports(1))
         cmd = [str(BIN / "attnserve"), "serve", "--address", address, "--port", str(http_port),
                "--proxy-location", "HeadOnly", "--model", f"tiny={tiny_variants['tiny-gqa']}", "--replicas", "2",
                "--num-cpus", "0.5", "--dtype", "float32", "--enforce-eager", "--kv-cache-memory", "4MiB",
@@ -139,7 +143,7 @@ def test_second_node_killed_under_load_then_rejoins(tiny_variants, tmp_path):
             # traffic goes on through node A
             wait_for(lambda: sum(1 for t, o in load.outcomes if t > killed_at + 5 and o == "ok") >= 8, 90,
                      "requests completing on node A after the kill")
-            ray_start(*node_b, *node_ports())  # node B rejoins; Serve places the replica there again
+            ray_start(*node_b, *node_ports(2))  # node B rejoins; Serve places the replica there again
             wait_for(lambda: (lambda n: n if len(n) == 2 else None)(replicas_by_node(url)), 180,
                      "the replica back on the rejoined node")
             load.stop.set()
