@@ -82,17 +82,10 @@ def routing_stats(num_running: int, num_waiting: int, kv_usage: float, cached: f
 class CacheAwareRouter(FIFOMixin, RequestRouter):
     """Prefix-cache affinity on what each replica actually caches; power of two choices otherwise."""
 
-    imbalance = DEFAULT_IMBALANCE
-
     def initialize_state(self, imbalance: int = DEFAULT_IMBALANCE, **kwargs) -> None:
+        """Serve calls this once, right after constructing the router."""
         self.imbalance = imbalance
-
-    @property
-    def _routed(self) -> dict[Any, dict[bytes, float]]:
-        """Per replica: summary key -> when a prompt with that block was last sent there."""
-        if not hasattr(self, "_routed_keys"):
-            self._routed_keys: dict[Any, dict[bytes, float]] = {}
-        return self._routed_keys
+        self._routed: dict[Any, dict[bytes, float]] = {}  # replica -> summary key -> when last sent there
 
     def _load(self, replica: RunningReplica, now: float) -> ReplicaLoad:
         stats = replica.routing_stats or {}

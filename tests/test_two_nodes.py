@@ -3,7 +3,7 @@
 
 Node A (head) holds the ingress, the metrics hub and one replica; node B the other replica
 (custom resources place them); the ingress's cache-aware router spreads prompts that share no
-prefix over both. Killing B's raylet ends its requests with an error, never a hang;
+prefix over both. Killing B's raylet ends its requests (an error, or done if its worker outlives the raylet a moment), never a hang;
 traffic goes on through A; Serve brings B's replica back when B rejoins.
 """
 import json
@@ -155,7 +155,9 @@ def test_second_node_killed_under_load_then_rejoins(tiny_variants, tmp_path):
             # no block left held on the live replicas (the dead one's last report goes stale in 15 s)
             wait_for(lambda: httpx.get(f"{url}/dashboard/data", timeout=30).json()["models"][0]["kv_blocks_used"] == 0,
                      40, "every KV block free")
-            assert outcomes.count("error-event") + outcomes.count("http-5xx") >= 1  # B's streams in flight failed
+            # NOTE: B's streams in flight at the kill end either way: with an error, or complete when its
+            # worker outlives its raylet for a moment; what must never happen is a hang (timeout above)
+            assert "its node has died" in (tmp_path / "serve.log").read_text()  # B's replica did die
     finally:
         for pid in pids_with(temp_dir):
             try:
