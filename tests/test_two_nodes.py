@@ -3,8 +3,9 @@
 
 Node A (head) holds the ingress, the metrics hub and one replica; node B the other replica
 (custom resources place them); the ingress's cache-aware router spreads prompts that share no
-prefix over both. Killing B's raylet ends its requests (an error, or done if its worker outlives the raylet a moment), never a hang;
-traffic goes on through A; Serve brings B's replica back when B rejoins.
+prefix over both. Killing B's raylet ends its requests (with an error, or done if its worker
+outlives the raylet a moment), never with a hang; traffic goes on through A; Serve brings B's
+replica back when B rejoins.
 """
 import json
 import os
