@@ -126,14 +126,13 @@ class ModelReplica:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve averages these per replica for `engine_pressure_policy`."""
         s = self.worker.engine.stats
-        return autoscaling_stats(s.num_running, s.num_waiting, s.num_used_blocks / max(1, s.num_blocks))
+        return autoscaling_stats(s.num_running, s.num_waiting, s.kv_usage)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve calls this about once a second; `CacheAwareRouter` reads it."""
         engine = self.worker.engine
         s = engine.stats
-        return routing_stats(s.num_running, s.num_waiting, s.num_used_blocks / max(1, s.num_blocks),
-                             engine.cached_blocks)
+        return routing_stats(s.num_running, s.num_waiting, s.kv_usage, engine.cached_blocks)
 
     async def pid(self) -> int:
         return os.getpid()

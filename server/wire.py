@@ -93,6 +93,11 @@ class EngineStats:
     num_adds_received: int
     resident_memory_bytes: int  # the engine process's own
 
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV pool's blocks in use (what routing and autoscaling weigh)."""
+        return self.num_used_blocks / max(1, self.num_blocks)
+
 
 @dataclass(frozen=True)
 class ModelInfo:
