@@ -53,8 +53,16 @@ class PagedAttention:
     cache: PagedKVCache
     meta: AttentionMetadata
 
+    @classmethod
+    def one_sequence(cls, cache: PagedKVCache, num_tokens: int) -> PagedAttention:
+        """A fresh sequence of num_tokens in blocks 0, 1, ...: a whole prompt through the pool, no scheduler."""
+        bs = cache.spec.block_size
+        meta = AttentionMetadata.build([num_tokens], [0], [list(range(-(-num_tokens // bs)))], bs, cache.k[0].device)
+        return cls(cache, meta)
+
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        m = self.meta
+        m, cache = self.meta, self.cache
         return torch.ops.attnserve.paged_attention(
-            q, k, v, self.cache.k[layer_idx], self.cache.v[layer_idx], m.slot_mapping, m.block_tables, m.seq_lens,
-            m.query_start_loc, m.max_query_len, m.max_seq_len, 1.0 / math.sqrt(q.shape[-1]))  # (T, H, D)
+            q, k, v, cache.k[layer_idx], cache.v[layer_idx], m.slot_mapping, m.block_tables, m.seq_lens,
+            m.query_start_loc, m.max_query_len, m.max_seq_len, 1.0 / math.sqrt(q.shape[-1]),
+            cache.scales.k[layer_idx], cache.scales.v[layer_idx])  # (T, H, D)

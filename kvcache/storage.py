@@ -5,10 +5,14 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache.quant import KVScales, is_8bit
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """What one token and one block of KV cost. MHA / GQA / MQA differ only in num_kv_heads."""
+    """What one token and one block of KV cost. MHA / GQA / MQA differ only in num_kv_heads;
+    `dtype` is the storage dtype (an 8-bit float for an 8-bit pool; its scales are per layer and
+    cost no bytes per token)."""
 
     num_layers: int
     num_kv_heads: int
@@ -43,9 +47,17 @@ class PagedKVCache:
     them in place, and tensors that alias each other would make it copy.
     """
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu",
+                 scales: KVScales | None = None) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
+        self.quantized = is_8bit(spec.dtype)
+        self.scales = scales or KVScales.ones(spec.num_layers)
+        # NOTE: a pool in the model's dtype stores K/V as they are: a scale there would be silently ignored
+        if not self.quantized and set(self.scales.k + self.scales.v) != {1.0}:
+            raise ValueError("scales apply to an 8-bit KV cache only")
+        if len(self.scales.k) != spec.num_layers or len(self.scales.v) != spec.num_layers:
+            raise ValueError("one K and one V scale per layer")
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]

@@ -5,6 +5,7 @@
 Systems (--systems, run one after another, each measured the same way):
   attnserve          our engine (compiled step, paged KV, continuous batching)
   attnserve_eager    the same with --enforce-eager
+  attnserve_fp8      the same with an 8-bit KV cache (--kv-cache-dtype fp8_e4m3)
   vllm               vLLM's CPU build (`make peers`: .venv-peers), both cores for its OpenMP threads
   vllm_default       vLLM with its default binding (one core for the model, one kept for its frontend)
   hf_generate        transformers `model.generate`, static padded batches
@@ -40,7 +41,7 @@ from models import load_tokenizer, resolve_model  # noqa: E402
 from models.loader import parse_dtype  # noqa: E402
 from server.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
-SYSTEMS = ("attnserve", "attnserve_eager", "vllm", "vllm_default", "hf_generate", "hf_generate_batch")
+SYSTEMS = ("attnserve", "attnserve_eager", "attnserve_fp8", "vllm", "vllm_default", "hf_generate", "hf_generate_batch")
 DEFAULT_SYSTEMS = "attnserve,vllm,vllm_default,hf_generate,hf_generate_batch"
 STEP_BATCHES = (1, 8, 32)
 STEP_PROMPT_TOKENS = 128
@@ -108,16 +109,17 @@ def _adapter(engine: LLMEngine) -> EngineAdapter:
         busy=engine.has_unfinished, reset=engine.kv.pool.reset_prefix_cache)
 
 
-def _engine_config(args, eager: bool, num_prompts: int) -> EngineConfig:
-    # NOTE: enforce_eager only when set, so this script also measures engines older than the flag
+def _engine_config(args, eager: bool, num_prompts: int, kv_cache_dtype: str = "auto") -> EngineConfig:
+    # NOTE: enforce_eager / kv_cache_dtype only when set, so this script also measures engines older than the flags
     return EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                         max_num_seqs=max(64, num_prompts), max_num_batched_tokens=args.max_num_batched_tokens,
-                        **({"enforce_eager": True} if eager else {}))
+                        **({"enforce_eager": True} if eager else {}),
+                        **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {}))
 
 
-def bench_attnserve(args, prompts, steps, eager: bool = False) -> dict:
+def bench_attnserve(args, prompts, steps, eager: bool = False, kv_cache_dtype: str = "auto") -> dict:
     start = time.perf_counter()
-    engine = LLMEngine(_engine_config(args, eager, len(prompts)))
+    engine = LLMEngine(_engine_config(args, eager, len(prompts), kv_cache_dtype))
     startup = time.perf_counter() - start
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm-up
@@ -309,8 +311,9 @@ def main(argv=None) -> dict:
     steps = step_workload(args, vocab)
     results, hf = {}, None
     for name in systems:
-        if name in ("attnserve", "attnserve_eager"):
-            results[name] = bench_attnserve(args, prompts, steps, eager=name == "attnserve_eager")
+        if name in ("attnserve", "attnserve_eager", "attnserve_fp8"):
+            results[name] = bench_attnserve(args, prompts, steps, eager=name == "attnserve_eager",
+                                            kv_cache_dtype="fp8_e4m3" if name == "attnserve_fp8" else "auto")
             if args.startup and name == "attnserve":
                 results[name]["startup"] = startup_times(args)
         elif name in ("vllm", "vllm_default"):

@@ -2,20 +2,23 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from models.attention import AttentionFn
 from models.transformer import DecoderLM
 
 LOGIT_ROWS = 256  # rows of (rows, vocab) fp32 logits at a time: bounded memory for long windows
 
 
 @torch.inference_mode()
-def perplexity(model: DecoderLM, token_ids: Sequence[int], window: int = 1024, stride: int = 512) -> float:
+def perplexity(model: DecoderLM, token_ids: Sequence[int], window: int = 1024, stride: int = 512,
+               attention: Callable[[int], AttentionFn] | None = None) -> float:
     """exp(mean NLL) over every token but the first. Windows of `window` tokens start `stride`
-    apart; each scores only the tokens the previous one did not, with the rest as context."""
+    apart; each scores only the tokens the previous one did not, with the rest as context.
+    `attention(n)` gives the AttentionFn for a window of n tokens (default: dense, no cache)."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs a text of at least 2 tokens")
     if not 0 < stride <= window:
@@ -28,7 +31,8 @@ def perplexity(model: DecoderLM, token_ids: Sequence[int], window: int = 1024, s
     while scored < n:
         end = min(begin + window, n)
         chunk = ids[begin:end]  # (L,)
-        hidden = model(chunk, torch.arange(end - begin, device=model.device))  # (L, C)
+        hidden = model(chunk, torch.arange(end - begin, device=model.device),
+                       attention(end - begin) if attention else None)  # (L, C)
         # NOTE: the hidden state at row r predicts token r + 1
         for r0 in range(scored - begin, end - begin, LOGIT_ROWS):
             r1 = min(r0 + LOGIT_ROWS, end - begin)

@@ -53,7 +53,7 @@ def _engine_config(args: argparse.Namespace, model: str = "default"):
     from server.engine.config import EngineConfig
 
     return EngineConfig(
-        model=model, dtype=args.dtype, block_size=args.block_size,
+        model=model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         kv_cache_memory=None if args.num_blocks else args.kv_cache_memory, num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, num_threads=args.threads, enforce_eager=args.enforce_eager,
@@ -94,7 +94,9 @@ def _eval(args: argparse.Namespace) -> int:
 
     import torch
 
-    from kvcache.storage import KVCacheSpec
+    from kvcache.paged_attention import PagedAttention
+    from kvcache.quant import dtype_name, kv_cache_dtype, scales_for
+    from kvcache.storage import KVCacheSpec, PagedKVCache
     from models.corpus import HELD_OUT_PLAY, held_out_text
     from models.loader import load_model, load_tokenizer, parse_dtype
     from models.perplexity import perplexity
@@ -109,12 +111,18 @@ def _eval(args: argparse.Namespace) -> int:
         path = resolve_model(name)
         model = load_model(path, parse_dtype(args.dtype))
         cfg = model.config
-        ids = load_tokenizer(path)(text)["input_ids"]
-        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+        tokenizer = load_tokenizer(path)
+        ids = tokenizer(text)["input_ids"]
+        kv_dtype = kv_cache_dtype(args.kv_cache_dtype, model.dtype)
+        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        # NOTE: each window is one prompt through a pool of the serving dtype and kernel, so an
+        # 8-bit cache's rounding is in the score
+        num_blocks = -(-min(args.window, cfg.max_position_embeddings) // spec.block_size)
+        cache = PagedKVCache(spec, num_blocks, model.device, scales_for(model, kv_dtype, tokenizer))
+        ppl = perplexity(model, ids, args.window, args.stride, lambda n: PagedAttention.one_sequence(cache, n))
         rows.append({"model": name, "attention": cfg.attention_kind, "kv_heads": cfg.num_kv_heads,
-                     "kv_cache_dtype": args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
-                     "kv_bytes_per_token": spec.bytes_per_token,
-                     "perplexity": perplexity(model, ids, args.window, args.stride)})
+                     "kv_cache_dtype": dtype_name(kv_dtype), "kv_bytes_per_token": spec.bytes_per_token,
+                     "perplexity": ppl})
         print(f"{name}: {len(ids)} tokens, perplexity {rows[-1]['perplexity']:.4f}", file=sys.stderr, flush=True)
     source = args.text or f"{HELD_OUT_PLAY} (held out)"
     print(f"text: {source}; window {args.window}, stride {args.stride}, dtype {args.dtype}")
@@ -255,9 +263,18 @@ def _defaults_engine() -> dict:
     return _defaults(EngineConfig)
 
 
+def _add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
+    from server.engine.config import KV_CACHE_DTYPES
+
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_defaults_engine()["kv_cache_dtype"],
+                   help="KV cache storage: auto (the model's dtype) or an 8-bit float (fp8_e4m3, fp8_e5m2: half "
+                        "of bf16's bytes, one power-of-two scale per layer for K and for V, calibrated at load)")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d = _defaults_engine()
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d["dtype"])
+    _add_kv_dtype_arg(p)
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", default=d["kv_cache_memory"], help="KV cache budget, e.g. 1GiB or 512MiB")
     kv.add_argument("--num-blocks", type=int, help="exact number of KV blocks (overrides --kv-cache-memory)")
@@ -306,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", action="append", help="checkpoint directory, .gguf file or model name (repeat it)")
     ev.add_argument("--text", help="a UTF-8 text file (default: a Shakespeare play no load-test workload uses)")
     ev.add_argument("--dtype", choices=["float32", "bfloat16"], default=_defaults_engine()["dtype"])
-    ev.add_argument("--kv-cache-dtype", choices=["auto"], default="auto", help="auto: the model's dtype")
+    _add_kv_dtype_arg(ev)
     ev.add_argument("--window", type=int, default=1024, help="tokens per window")
     ev.add_argument("--stride", type=int, default=512, help="tokens between window starts")
     ev.add_argument("--threads", type=int, help="torch threads")

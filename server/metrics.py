@@ -22,7 +22,7 @@ from server.kv_forms import kv_forms
 from server.wire import EngineStats, ModelInfo, RequestStats
 
 PREFIX = "attnserve"
-MODEL_LABELS = ("model", "attention", "kv_heads")
+MODEL_LABELS = ("model", "attention", "kv_heads", "kv_cache_dtype")
 STALE_AFTER_S = 15.0  # gauges of a replica silent for longer are dropped (it is gone)
 RECENT_REQUESTS = 500
 
@@ -101,7 +101,8 @@ class MetricsRecorder:
 
     def __init__(self, model: str, info: ModelInfo) -> None:
         self.info = info
-        self.labels = {"model": model, "attention": info.attention, "kv_heads": str(info.num_kv_heads)}
+        self.labels = {"model": model, "attention": info.attention, "kv_heads": str(info.num_kv_heads),
+                       "kv_cache_dtype": info.kv_cache_dtype}
         token_buckets = one_two_five(1, info.max_model_len)
         self.histograms = {name: _Histogram(b if b is not None else (one_two_five(1, info.num_blocks) if "blocks" in name
                                                                   else token_buckets))
@@ -207,7 +208,7 @@ class _SnapshotCollector:
             "kv_bytes": GaugeMetricFamily(f"{PREFIX}_kv_bytes", "KV-cache bytes by state (summed over live replicas)",
                                           labels=labels + ["state"]),
             "kv_bytes_per_token": GaugeMetricFamily(f"{PREFIX}_kv_bytes_per_token",
-                                                    "2 x layers x kv_heads x head_dim x dtype bytes", labels=labels),
+                                                    "2 x layers x kv_heads x head_dim x KV dtype bytes", labels=labels),
             "kv_cache_usage_ratio": GaugeMetricFamily(f"{PREFIX}_kv_cache_usage_ratio", "Used / total KV blocks",
                                                       labels=labels),
             "requests_running": GaugeMetricFamily(f"{PREFIX}_requests_running", "Requests being decoded or prefilled",
@@ -303,12 +304,12 @@ def dashboard_data(snapshots: list[dict], now: float | None = None) -> dict[str,
     """Per model: static KV facts, live gauges and recent (seq_len, kv_bytes, ttft, itl, e2e) points."""
     now = time.time() if now is None else now
     models = []
-    for (model, attention, kv_heads), snaps in sorted(_by_model(snapshots).items()):
+    for (model, attention, kv_heads, kv_cache_dtype), snaps in sorted(_by_model(snapshots).items()):
         live = fresh(snaps, now)
         static = snaps[0]["static"]
         recent = sorted((r for s in snaps for r in s["recent"]), key=lambda r: r[0])[-2000:]
         models.append({
-            "model": model, "attention": attention, "kv_heads": int(kv_heads),
+            "model": model, "attention": attention, "kv_heads": int(kv_heads), "kv_cache_dtype": kv_cache_dtype,
             "kv_bytes_per_token": static["kv_bytes_per_token"], "block_size": static["block_size"],
             "max_model_len": static["max_model_len"],
             "kv_blocks_total": sum(s["gauges"]["kv_blocks_total"] for s in live),

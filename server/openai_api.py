@@ -164,7 +164,8 @@ class OpenAIApi:
             info = await self._info(name)
             data.append({"id": name, "object": "model", "created": 0, "owned_by": "attnserve",
                          "max_model_len": info.max_model_len, "attention": info.attention,
-                         "num_kv_heads": info.num_kv_heads, "kv_bytes_per_token": info.kv_bytes_per_token})
+                         "num_kv_heads": info.num_kv_heads, "kv_bytes_per_token": info.kv_bytes_per_token,
+                         "kv_cache_dtype": info.kv_cache_dtype})
         return {"object": "list", "data": data}
 
     async def health(self) -> dict[str, bool]:

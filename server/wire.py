@@ -111,6 +111,7 @@ class ModelInfo:
     block_size: int
     num_blocks: int
     num_heads: int  # query heads: with num_kv_heads, what MHA / GQA / MQA forms would cost
+    kv_cache_dtype: str  # the pool's storage: bfloat16, float32, fp8_e4m3 or fp8_e5m2
 
 
 # ---- replica <-> engine process ------------------------------------------------------------------

@@ -8,6 +8,7 @@ import sys
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.servers import BIN, ROOT, free_port, running, wait_ready
 
@@ -50,14 +51,29 @@ def test_make_serve_answers_the_readme_snippets_and_stops_on_sigterm():
         httpx.get(f"{url}/health", timeout=2)
 
 
-def test_serve_run_deploy_serve_yaml(tmp_path):
+def test_serve_run_deploy_serve_yaml_with_an_8bit_kv_cache(tmp_path):
+    """serve.yaml as shipped, with its `kv_cache_dtype` switched to fp8_e4m3: the pool holds twice
+    bf16's blocks in the same 1GiB, and /v1/models, usage and /metrics say so."""
     port = free_port()
     config = (ROOT / "deploy" / "serve.yaml").read_text().replace("port: 8000", f"port: {port}")
-    (tmp_path / "serve.yaml").write_text(config)
+    assert "kv_cache_dtype: auto" in config
+    (tmp_path / "serve.yaml").write_text(config.replace("kv_cache_dtype: auto", "kv_cache_dtype: fp8_e4m3"))
     cmd = [str(BIN / "serve"), "run", str(tmp_path / "serve.yaml")]
     with running(cmd, f"http://127.0.0.1:{port}", tmp_path / "serve.log", env=env(), stop_signal=signal.SIGINT,
                  timeout=300) as url:
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+        per_token = 2 * 30 * 3 * 64  # one byte per element: half of bf16's 23,040
+        assert (model["kv_cache_dtype"], model["kv_bytes_per_token"]) == ("fp8_e4m3", per_token)
         r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
             "model": "default", "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+        usage = r.json()["usage"]
+        blocks = -(-(usage["prompt_tokens"] + usage["completion_tokens"] - 1) // 16)  # the last token is never cached
+        assert usage["kv_cache_bytes"] == blocks * 16 * per_token
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text)
+                   for s in fam.samples}
+        labels = (("attention", "gqa"), ("kv_cache_dtype", "fp8_e4m3"), ("kv_heads", "3"), ("model", "default"))
+        assert samples[("attnserve_kv_bytes_per_token", labels)] == per_token
+        assert samples[("attnserve_kv_blocks", (*labels, ("state", "total")))] == 2**30 // (16 * per_token)

@@ -51,3 +51,35 @@ def test_eval_table_mha_expansion_equals_gqa(tiny_variants, tmp_path, capsys, mo
     table = capsys.readouterr().out
     assert "perplexity" in table and str(tiny_variants["tiny-mqa"]) in table
     assert eval_results.load() == rows  # kept for the dashboard too
+
+
+def test_eval_with_an_8bit_kv_cache(tiny_checkpoints, tmp_path, monkeypatch):
+    """`--kv-cache-dtype fp8_e4m3`: each window goes through an 8-bit pool and the paged kernel, so
+    the rounding shows in the score; a quarter of fp32's bytes per token; both rows kept."""
+    from kvcache.paged_attention import PagedAttention
+    from kvcache.storage import KVCacheSpec, PagedKVCache
+    from server import eval_results
+
+    monkeypatch.setenv("ATTNSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tiny_checkpoints["llama"]
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    rows = []
+    for kv in ("auto", "fp8_e4m3"):
+        out = tmp_path / f"{kv}.json"
+        assert main(["eval", "--text", str(text), "--dtype", "float32", "--kv-cache-dtype", kv, "--window", "48",
+                     "--stride", "16", "--model", str(path), "--json", str(out)]) == 0
+        rows += json.loads(out.read_text())
+    full, fp8 = rows
+    assert (full["kv_cache_dtype"], fp8["kv_cache_dtype"]) == ("float32", "fp8_e4m3")
+    assert full["kv_bytes_per_token"] == 4 * fp8["kv_bytes_per_token"] == 4 * 2 * 2 * 2 * 16
+    assert fp8["perplexity"] != pytest.approx(full["perplexity"], rel=1e-6)
+    assert fp8["perplexity"] == pytest.approx(full["perplexity"], rel=0.05)
+    assert eval_results.load() == rows  # one row per model and KV dtype
+    # the paged path with a full-precision pool is the dense model's own perplexity
+    model = load_model(path, torch.float32)
+    ids = load_tokenizer(path)(TEXT)["input_ids"]
+    cache = PagedKVCache(KVCacheSpec(2, 2, 16, torch.float32), num_blocks=3)
+    paged = perplexity(model, ids, window=48, stride=16, attention=lambda n: PagedAttention.one_sequence(cache, n))
+    assert paged == pytest.approx(perplexity(model, ids, window=48, stride=16), rel=1e-5)
+    assert paged == pytest.approx(full["perplexity"], rel=1e-9)

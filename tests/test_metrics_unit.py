@@ -19,7 +19,8 @@ def snapshot(model="m", attention="gqa", kv_heads=2, used=3, age=0.0, ttft=(0.1,
              "request_queue_time_seconds", "request_prefill_time_seconds", "request_kv_cache_bytes",
              "request_kv_blocks", "request_prompt_tokens", "request_generation_tokens"]
     return {
-        "labels": {"model": model, "attention": attention, "kv_heads": str(kv_heads)}, "time": time.time() - age,
+        "labels": {"model": model, "attention": attention, "kv_heads": str(kv_heads), "kv_cache_dtype": "bfloat16"},
+        "time": time.time() - age,
         "counters": {"prompt_tokens": 10, "generation_tokens": 7, "prefix_cache_queries": 10, "prefix_cache_hits": hits,
                      "preemptions": 1},
         "finish_reasons": {"length": finished}, "errors": {},

@@ -168,6 +168,8 @@ def test_dashboard_draws_every_model_in_headless_chromium(serve_url, traffic, tm
     forms = re.search(r'<table id="forms">(.*?)</table>', dom, re.S).group(1)
     assert forms.count("what-if") == 2 * len(MODELS) and forms.count("served") == len(MODELS)  # each model's 3 forms
     assert re.search(r'<table id="eval">.+?</table>', dom, re.S)
+    for model, kv_heads in MODELS.items():  # labels carry the KV cache's storage dtype
+        assert f"<td>{model} ({model[5:].upper()}, {kv_heads} kv, float32)</td>" in dom
     OUTPUT.mkdir(exist_ok=True)
     shot = OUTPUT / "dashboard.png"
     res = chromium(f"--user-data-dir={tmp_path / 'profile2'}", f"--screenshot={shot}", f"{serve_url}/dashboard")

@@ -5,6 +5,9 @@
 // of a GQA group share each K/V read, and the softmax is online (flash style), so the only
 // per-item state is the tile's accumulators. Math is fp32 whatever the storage dtype.
 //
+// The cache may hold 8-bit floats (e4m3 or e5m2) with one power-of-two scale per layer for K and
+// one for V: K's scale folds into the query scale, V's into the output, so the loops only widen.
+//
 // Vectors are GCC vector extensions of 16 floats: AVX-512 registers where the CPU has them,
 // pairs of AVX2 registers elsewhere (the build passes -march=native).
 #include <torch/library.h>
@@ -12,6 +15,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
 #include <cmath>
@@ -35,6 +40,7 @@ typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
 typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
+typedef uint8_t vb __attribute__((vector_size(W * sizeof(uint8_t))));
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int MAX_TILE_ROWS = 32;  // query rows (tokens x group heads) per work item
@@ -127,11 +133,66 @@ inline vf exp_neg(vf x) {
   return p * scale;
 }
 
+template <typename T>
+constexpr bool is_fp8() {
+  return std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+}
+
+template <typename T>
+struct Fp8 {  // e4m3 (bias 7, 3 mantissa bits, largest 448) or e5m2 (bias 15, 2 bits, 57344)
+  static constexpr bool e4m3 = std::is_same_v<T, c10::Float8_e4m3fn>;
+  static constexpr uint32_t mant = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+  static constexpr float max = e4m3 ? 448.f : 57344.f;
+  static constexpr float tiny = e4m3 ? 0x1p-6f : 0x1p-14f;  // the smallest normal
+};
+
+// NOTE: a pool never holds an 8-bit subnormal: writes flush |x| < the smallest normal to +0
+// (kvcache.quant.quantize does the same), so widening is a shift and a rebias of the exponent.
+
+// W floats (already divided by the scale) -> W 8-bit codes: saturate, flush, round to nearest even.
+template <typename C>
+inline vb float_to_fp8(vf x) {
+  using F = Fp8<C>;
+  constexpr uint32_t drop = 23 - F::mant;
+  vu bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const vu sign = (bits >> 24) & 0x80u;
+  bits &= 0x7fffffffu;
+  vf ax;
+  std::memcpy(&ax, &bits, sizeof ax);
+  ax = ax < F::max ? ax : splat(F::max);
+  std::memcpy(&bits, &ax, sizeof bits);
+  bits += ((1u << (drop - 1)) - 1) + ((bits >> drop) & 1u);
+  const vu code = ((bits >> drop) - ((127 - F::bias) << F::mant)) | sign;
+  return __builtin_convertvector(ax < F::tiny ? vu{} : code, vb);
+}
+
+// W 8-bit codes -> W floats, exactly: the code's exponent and mantissa move into fp32's fields,
+// the exponent rebiased; code 0 (and 0x80) is 0.
+template <typename C>
+inline vf fp8_to_float(const uint8_t* p) {
+  using F = Fp8<C>;
+  vb b;
+  std::memcpy(&b, p, sizeof b);
+  const vu u = __builtin_convertvector(b, vu);
+  const vu mag = u & 0x7fu;
+  const vu bits = ((mag << (23 - F::mant)) + ((127 - F::bias) << 23)) | ((u & 0x80u) << 24);
+  const vu out_bits = mag == 0 ? vu{} : bits;
+  vf out;
+  std::memcpy(&out, &out_bits, sizeof out);
+  return out;
+}
+
 // n storage values -> NV * W floats (zero padded).
 template <typename T, int NV>
 inline void to_float(const T* src, float* dst, int n) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(dst, src, n * sizeof(float));
+  } else if constexpr (is_fp8<T>()) {
+    const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
+    int i = 0;
+    for (; i + W <= n; i += W) store(dst + i, fp8_to_float<T>(s + i));
+    for (; i < n; ++i) dst[i] = (s[i] & 0x7f) ? float(src[i]) : 0.f;
   } else {
     static_assert(std::is_same_v<T, c10::BFloat16>);
     const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
@@ -157,6 +218,37 @@ inline void to_float(const T* src, float* dst, int n) {
     }
   }
   for (int i = n; i < NV * W; ++i) dst[i] = 0.f;
+}
+
+// Where q.k runs on bf16 pairs (below), an 8-bit cache's K rows are first widened to bf16, which
+// holds every e4m3 / e5m2 value exactly; elsewhere K rows are read as stored.
+template <typename T, typename C>
+using KRow = std::conditional_t<ATTNSERVE_BF16_DOT && std::is_same_v<T, c10::BFloat16> && is_fp8<C>(),
+                                c10::BFloat16, C>;
+
+// n K elements into K-row type K: a copy, or 8-bit -> bf16 (the top half of the exact fp32).
+template <typename K, typename C>
+inline void copy_k(const C* src, K* dst, int64_t n) {
+  if constexpr (std::is_same_v<K, C>) {
+    std::memcpy(dst, src, n * sizeof(C));
+  } else {
+    typedef uint8_t vb2 __attribute__((vector_size(2 * W)));
+    typedef uint16_t vh2 __attribute__((vector_size(2 * W * sizeof(uint16_t))));
+    using F = Fp8<C>;
+    const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+    int64_t i = 0;
+    for (; i + 2 * W <= n; i += 2 * W) {  // bf16 has fp32's exponent: the same rebias, 16-bit lanes
+      vb2 b;
+      std::memcpy(&b, s + i, sizeof b);
+      const vh2 u = __builtin_convertvector(b, vh2);
+      const vh2 mag = u & 0x7f;
+      const vh2 bits = ((mag << (7 - F::mant)) + ((127 - F::bias) << 7)) | ((u & 0x80) << 8);
+      const vh2 out = mag == 0 ? vh2{} : bits;
+      std::memcpy(d + i, &out, sizeof out);
+    }
+    for (; i < n; ++i) dst[i] = (s[i] & 0x7f) ? K(float(src[i])) : K(0.f);
+  }
 }
 
 template <typename T>
@@ -188,18 +280,17 @@ struct SeqView {  // one sequence's slice of the step
   int64_t position(int64_t token) const { return seq_len - num_queries + token; }
 };
 
-template <typename T>
 inline int64_t kv_offset(const SeqView& s, int64_t pos, int64_t head, const Layout& L) {
   return s.block_table[pos >> L.block_shift] * L.cache_stride_block + (pos & (L.block_size - 1)) * L.cache_stride_tok +
          head * L.cache_stride_head;
 }
 
 // Prefetch the K and V rows of keys [key0, key0 + nk), `bytes` of each from KV head `head` on.
-template <typename T>
-inline void prefetch_keys(const T* k_cache, const T* v_cache, const SeqView& s, int64_t key0, int64_t nk,
+template <typename C>
+inline void prefetch_keys(const C* k_cache, const C* v_cache, const SeqView& s, int64_t key0, int64_t nk,
                           int64_t head, int64_t bytes, const Layout& L) {
   for (int64_t t = 0; t < nk; ++t) {
-    const int64_t off = kv_offset<T>(s, key0 + t, head, L);
+    const int64_t off = kv_offset(s, key0 + t, head, L);
     for (int64_t b = 0; b < bytes; b += 64) {
       __builtin_prefetch(reinterpret_cast<const char*>(k_cache + off) + b, 0, 1);
       __builtin_prefetch(reinterpret_cast<const char*>(v_cache + off) + b, 0, 1);
@@ -208,29 +299,34 @@ inline void prefetch_keys(const T* k_cache, const T* v_cache, const SeqView& s, 
 }
 
 // K and V rows of keys [key0, key0 + nk) for one head: V (and K unless `kf` is null) as fp32
-// [t][Dp], and where each K row lies.
-template <typename T, int NV>
-inline void load_chunk(const T* k_cache, const T* v_cache, const SeqView& s, int64_t key0, int nk, int64_t head,
-                       const Layout& L, float* kf, float* vf_, const T** k_rows) {
-  const int64_t num_keys = s.seq_len, row_bytes = L.head_dim * int64_t(sizeof(T));
+// [t][Dp], and where each K row lies (in the cache, or widened into `kb` [t][Dp]).
+template <typename C, typename K, int NV>
+inline void load_chunk(const C* k_cache, const C* v_cache, const SeqView& s, int64_t key0, int nk, int64_t head,
+                       const Layout& L, float* kf, float* vf_, const K** k_rows, K* kb) {
+  const int64_t num_keys = s.seq_len, row_bytes = L.head_dim * int64_t(sizeof(C));
   for (int t = 0; t < nk; ++t) {
     // NOTE: a steady stream of prefetches, PREFETCH_KEYS ahead: a burst of a whole chunk's rows
     // would overflow the miss queues, and the blocks are DRAM-cold (every other layer ran since)
     if (key0 + t + PREFETCH_KEYS < num_keys) {
       prefetch_keys(k_cache, v_cache, s, key0 + t + PREFETCH_KEYS, 1, head, row_bytes, L);
     }
-    const int64_t off = kv_offset<T>(s, key0 + t, head, L);
-    k_rows[t] = k_cache + off;
-    if (kf != nullptr) to_float<T, NV>(k_cache + off, kf + t * NV * W, int(L.head_dim));
-    to_float<T, NV>(v_cache + off, vf_ + t * NV * W, int(L.head_dim));
+    const int64_t off = kv_offset(s, key0 + t, head, L);
+    if constexpr (std::is_same_v<K, C>) {
+      k_rows[t] = k_cache + off;
+    } else {
+      copy_k(k_cache + off, kb + t * NV * W, L.head_dim);
+      k_rows[t] = kb + t * NV * W;
+    }
+    if (kf != nullptr) to_float<C, NV>(k_cache + off, kf + t * NV * W, int(L.head_dim));
+    to_float<C, NV>(v_cache + off, vf_ + t * NV * W, int(L.head_dim));
   }
 }
 
-// Whether q.k can be taken on bf16 pairs directly (vdpbf16ps): bf16 storage, an AVX512-BF16 CPU,
-// and head_dim a multiple of 2W, so rows load as whole vectors of 2W bf16.
-template <typename T, int NV>
+// Whether q.k can be taken on bf16 pairs directly (vdpbf16ps): bf16 queries and storage, an
+// AVX512-BF16 CPU, and head_dim a multiple of 2W, so rows load as whole vectors of 2W bf16.
+template <typename T, typename C, int NV>
 constexpr bool bf16_dot() {
-  return ATTNSERVE_BF16_DOT && std::is_same_v<T, c10::BFloat16> && NV % 2 == 0;
+  return ATTNSERVE_BF16_DOT && std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && NV % 2 == 0;
 }
 
 #if ATTNSERVE_BF16_DOT
@@ -241,9 +337,9 @@ inline __m512bh load_bf16_pairs(const void* p) { return (__m512bh)_mm512_loadu_s
 // as rows. Per chunk of W keys, a head's K/V rows are converted once; each row's W dot products
 // come out of one lane reduction. Taking all heads of a sequence in one item reads each block
 // whole, in address order. NV = head_dim / W rounded up (padding lanes are zero).
-template <typename T, int NV>
-void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, const T* k_cache, const T* v_cache,
-                   const Layout& L, float scale) {
+template <typename T, typename C, int NV>
+void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, const C* k_cache, const C* v_cache,
+                   const Layout& L, float scale, float v_scale) {
   constexpr int Dp = NV * W;
   const int group = int(L.num_heads / L.num_kv_heads);
   const int rows = w.num_heads * group;
@@ -268,36 +364,39 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
   std::fill(lrow, lrow + rows, 0.f);
   const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   vf part[W];
-  const T* k_rows[W];
-  const bool bf16_path = bf16_dot<T, NV>() && L.head_dim == Dp;  // else q.k on fp32 copies
+  using K = KRow<T, C>;
+  const K* k_rows[W];
+  const bool bf16_path = bf16_dot<T, K, NV>() && L.head_dim == Dp;  // else q.k on fp32 copies
 
   // NOTE: a chunk's K and V rows for all the item's heads (adjacent in a row) are first copied
   // out in address order: one sequential read per block, which DRAM streams 2-3x faster than
   // the strided per-head reads the math would make; the math then reads the L1-resident copy
   const int64_t span = w.num_heads * L.head_dim;
-  thread_local std::vector<T> stage;
-  stage.resize(size_t(2 * W * span));
-  T* ks = stage.data();
-  T* vs = ks + W * span;
+  thread_local std::vector<K> k_stage;
+  thread_local std::vector<C> v_stage;
+  k_stage.resize(size_t(W * span));
+  v_stage.resize(size_t(W * span));
+  K* ks = k_stage.data();
+  C* vs = v_stage.data();
   for (int64_t key0 = 0; key0 < num_keys; key0 += W) {
     const int nk = int(std::min<int64_t>(W, num_keys - key0));
     for (int t = 0; t < nk; ++t) {
       if (key0 + t + PREFETCH_KEYS < num_keys) {
-        prefetch_keys(k_cache, v_cache, sv, key0 + t + PREFETCH_KEYS, 1, w.first_head, span * int64_t(sizeof(T)), L);
+        prefetch_keys(k_cache, v_cache, sv, key0 + t + PREFETCH_KEYS, 1, w.first_head, span * int64_t(sizeof(C)), L);
       }
-      const int64_t off = kv_offset<T>(sv, key0 + t, w.first_head, L);
-      std::memcpy(ks + t * span, k_cache + off, span * sizeof(T));
-      std::memcpy(vs + t * span, v_cache + off, span * sizeof(T));
+      const int64_t off = kv_offset(sv, key0 + t, w.first_head, L);
+      copy_k(k_cache + off, ks + t * span, span);
+      std::memcpy(vs + t * span, v_cache + off, span * sizeof(C));
     }
     for (int hh = 0; hh < w.num_heads; ++hh) {
       for (int t = 0; t < nk; ++t) {
         k_rows[t] = ks + t * span + hh * L.head_dim;
-        if (!bf16_path) to_float<T, NV>(k_rows[t], kf + t * Dp, int(L.head_dim));
-        to_float<T, NV>(vs + t * span + hh * L.head_dim, vfb + t * Dp, int(L.head_dim));
+        if (!bf16_path) to_float<K, NV>(k_rows[t], kf + t * Dp, int(L.head_dim));
+        to_float<C, NV>(vs + t * span + hh * L.head_dim, vfb + t * Dp, int(L.head_dim));
       }
       for (int r = hh * group; r < (hh + 1) * group; ++r) {
         for (int t = nk; t < W; ++t) part[t] = vf{};
-        if constexpr (bf16_dot<T, NV>()) {
+        if constexpr (bf16_dot<T, K, NV>()) {
 #if ATTNSERVE_BF16_DOT
           if (bf16_path) {
             const T* qr = q + token * L.q_stride_t + (first_qhead + r) * L.q_stride_h;
@@ -345,7 +444,7 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
 
   for (int r = 0; r < rows; ++r) {
     float* a = acc + r * Dp;
-    const float inv = 1.f / lrow[r];
+    const float inv = v_scale / lrow[r];
     for (int j = 0; j < NV; ++j) store(a + j * W, load(a + j * W) * inv);
     from_float(a, out + token * L.out_stride_t + (first_qhead + r) * L.out_stride_h, int(L.head_dim));
   }
@@ -354,9 +453,9 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
 // A prefill tile: up to W query rows of one KV head, one row per vector lane, so scores, the
 // online softmax and the accumulators are all lane-wise: no reductions across lanes. Per key, a
 // row's score is Dp FMAs against the key's elements broadcast; causality is a per-lane compare.
-template <typename T, int NV>
-void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const T* k_cache, const T* v_cache,
-                 const Layout& L, float scale) {
+template <typename T, typename C, int NV>
+void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const C* k_cache, const C* v_cache,
+                 const Layout& L, float scale, float v_scale) {
   constexpr int Dp = NV * W, DB = 8;  // DB: accumulator vectors kept in registers at a time
   static_assert(Dp % DB == 0);
   const int group = int(L.num_heads / L.num_kv_heads);
@@ -368,8 +467,10 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
   alignas(64) float vfb[W * Dp];
   alignas(64) float row[Dp];
   alignas(64) uint32_t qT2[(Dp / 2) * W];  // bf16 path: [dim pair][lane], q's raw bf16 pairs
-  const T* k_rows[W];
-  const bool bf16_path = bf16_dot<T, NV>() && L.head_dim == Dp;
+  using K = KRow<T, C>;
+  alignas(64) K kb[std::is_same_v<K, C> ? 1 : W * Dp];  // widened K rows, where they are widened
+  const K* k_rows[W];
+  const bool bf16_path = bf16_dot<T, K, NV>() && L.head_dim == Dp;
   vi pos;  // each lane's token position; -1 for unused lanes (no key is visible)
   int64_t last = 0;
   for (int l = 0; l < W; ++l) {
@@ -398,10 +499,10 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
 
   for (int64_t key0 = 0; key0 < num_keys; key0 += W) {
     const int nk = int(std::min<int64_t>(W, num_keys - key0));
-    load_chunk<T, NV>(k_cache, v_cache, sv, key0, nk, head, L, bf16_path ? nullptr : kf, vfb, k_rows);
+    load_chunk<C, K, NV>(k_cache, v_cache, sv, key0, nk, head, L, bf16_path ? nullptr : kf, vfb, k_rows, kb);
     vf s[W];
     for (int t = 0; t < W; ++t) s[t] = vf{};
-    if constexpr (bf16_dot<T, NV>()) {
+    if constexpr (bf16_dot<T, K, NV>()) {
 #if ATTNSERVE_BF16_DOT
       if (bf16_path) {  // per pair of dims: the lanes' q pairs against each key's pair, broadcast
         for (int j = 0; j < Dp / 2; ++j) {
@@ -458,32 +559,50 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
     const int r = w.first_row + l;
     const int64_t token = r / group;
     const int64_t qhead = int64_t(w.first_head) * group + r % group;
-    const float inv = 1.f / lsum[l];
+    const float inv = v_scale / lsum[l];
     for (int d = 0; d < D; ++d) row[d] = accT[d * W + l] * inv;
     from_float(row, out + (sv.query_start + token) * L.out_stride_t + qhead * L.out_stride_h, D);
   }
 }
 
-template <typename T>
-void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-                 const int64_t* slots, const Layout& L) {
-  const int64_t num_tokens = k.size(0), bs = L.block_size;
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    const int64_t dst = (slots[t] >> L.block_shift) * L.cache_stride_block + (slots[t] & (bs - 1)) * L.cache_stride_tok;
-    for (int64_t h = 0; h < L.num_kv_heads; ++h) {
-      std::memcpy(kc + dst + h * L.cache_stride_head, kp + t * k.stride(0) + h * k.stride(1), L.head_dim * sizeof(T));
-      std::memcpy(vc + dst + h * L.cache_stride_head, vp + t * v.stride(0) + h * v.stride(1), L.head_dim * sizeof(T));
+// One row of n K or V elements into the pool: copied, or divided by the scale and stored in 8 bits.
+template <typename T, typename C>
+inline void store_row(const T* src, C* dst, int64_t n, float inv_scale) {
+  if constexpr (std::is_same_v<T, C>) {
+    std::memcpy(dst, src, n * sizeof(C));
+  } else {
+    uint8_t* d = reinterpret_cast<uint8_t*>(dst);
+    alignas(64) float row[W];
+    for (int64_t i = 0; i < n; i += W) {
+      const int m = int(std::min<int64_t>(W, n - i));
+      to_float<T, 1>(src + i, row, m);
+      const vb code = float_to_fp8<C>(load(row) * inv_scale);
+      std::memcpy(d + i, &code, m);
     }
   }
 }
 
-template <typename T, int NV>
-void attend_all(const T* q, T* out, const T* kc, const T* vc, const std::vector<WorkItem>& items,
-                const int32_t* tables, const int32_t* lens, const int32_t* starts, const Layout& L, float scale) {
+template <typename T, typename C>
+void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                 const int64_t* slots, const Layout& L, float k_inv_scale, float v_inv_scale) {
+  const int64_t num_tokens = k.size(0), bs = L.block_size;
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  C* kc = static_cast<C*>(k_cache.data_ptr());
+  C* vc = static_cast<C*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t dst = (slots[t] >> L.block_shift) * L.cache_stride_block + (slots[t] & (bs - 1)) * L.cache_stride_tok;
+    for (int64_t h = 0; h < L.num_kv_heads; ++h) {
+      store_row(kp + t * k.stride(0) + h * k.stride(1), kc + dst + h * L.cache_stride_head, L.head_dim, k_inv_scale);
+      store_row(vp + t * v.stride(0) + h * v.stride(1), vc + dst + h * L.cache_stride_head, L.head_dim, v_inv_scale);
+    }
+  }
+}
+
+template <typename T, typename C, int NV>
+void attend_all(const T* q, T* out, const C* kc, const C* vc, const std::vector<WorkItem>& items,
+                const int32_t* tables, const int32_t* lens, const int32_t* starts, const Layout& L, float scale,
+                float v_scale) {
   const int64_t num_items = int64_t(items.size());
   const int num_threads = std::max(1, std::min<int>(at::get_num_threads(), int(num_items)));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -491,46 +610,121 @@ void attend_all(const T* q, T* out, const T* kc, const T* vc, const std::vector<
     const WorkItem& w = items[i];
     const SeqView sv{tables + w.seq * L.table_stride, lens[w.seq], starts[w.seq], starts[w.seq + 1] - starts[w.seq]};
     if (sv.num_queries == 1) {
-      attend_decode<T, NV>(w, sv, q, out, kc, vc, L, scale);
+      attend_decode<T, C, NV>(w, sv, q, out, kc, vc, L, scale, v_scale);
     } else {
-      attend_rows<T, NV>(w, sv, q, out, kc, vc, L, scale);
+      attend_rows<T, C, NV>(w, sv, q, out, kc, vc, L, scale, v_scale);
     }
   }
 }
 
-template <typename T, int... NV>
+template <typename T, typename C, int... NV>
 void dispatch_head_dim(int nv, std::integer_sequence<int, NV...>, const at::Tensor& q, at::Tensor& out,
                        const at::Tensor& k_cache, const at::Tensor& v_cache, const std::vector<WorkItem>& items,
                        const int32_t* tables, const int32_t* lens, const int32_t* starts, const Layout& L,
-                       float scale) {
-  ((nv == NV + 1 ? attend_all<T, NV + 1>(q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<T>(),
-                                         v_cache.data_ptr<T>(), items, tables, lens, starts, L, scale)
+                       float scale, float v_scale) {
+  const C* kc = static_cast<const C*>(k_cache.data_ptr());
+  const C* vc = static_cast<const C*>(v_cache.data_ptr());
+  ((nv == NV + 1 ? attend_all<T, C, NV + 1>(q.data_ptr<T>(), out.data_ptr<T>(), kc, vc, items, tables, lens, starts,
+                                            L, scale, v_scale)
                  : void()), ...);
 }
 
-template <typename T>
+// n 8-bit values -> n values of T (exact: bf16 and fp32 hold every e4m3 / e5m2 value).
+template <typename T, typename C>
+inline void widen(const C* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    copy_k(src, dst, n);
+  } else {
+    const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
+    int64_t i = 0;
+    for (; i + W <= n; i += W) store(dst + i, fp8_to_float<C>(s + i));
+    for (; i < n; ++i) dst[i] = (s[i] & 0x7f) ? float(src[i]) : 0.f;
+  }
+}
+
+template <typename T, typename C>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
          const at::Tensor& slot_mapping, at::Tensor& out, const std::vector<WorkItem>& items,
-         const int32_t* tables, const int32_t* lens, const int32_t* starts, const Layout& L, float scale) {
-  write_cache<T>(k, v, k_cache, v_cache, slot_mapping.data_ptr<int64_t>(), L);
+         const int32_t* tables, int64_t num_seqs, const int32_t* lens, const int32_t* starts, const Layout& L,
+         float scale, float k_scale, float v_scale) {
+  write_cache<T, C>(k, v, k_cache, v_cache, slot_mapping.data_ptr<int64_t>(), L, 1.f / k_scale, 1.f / v_scale);
   const int nv = int((L.head_dim + W - 1) / W);
-  dispatch_head_dim<T>(nv, std::make_integer_sequence<int, MAX_NV>{}, q, out, k_cache, v_cache, items, tables,
-                       lens, starts, L, scale);
+  constexpr auto nvs = std::make_integer_sequence<int, MAX_NV>{};
+  // NOTE: K's scale multiplies every score, so it folds into the query scale; V's into the output
+  const float qk_scale = scale * k_scale;
+  if constexpr (std::is_same_v<T, C>) {
+    dispatch_head_dim<T, C>(nv, nvs, q, out, k_cache, v_cache, items, tables, lens, starts, L, qk_scale, v_scale);
+  } else {
+    // NOTE: every query tile of a prompt reads all its keys, so an 8-bit pool's prompt blocks are
+    // widened once, into a pool of q's dtype of their own (exact), instead of once per tile.
+    // Decodes read each key once: they widen in place.
+    std::vector<WorkItem> decodes, prompts;
+    for (const WorkItem& w : items) (starts[w.seq + 1] - starts[w.seq] == 1 ? decodes : prompts).push_back(w);
+    dispatch_head_dim<T, C>(nv, nvs, q, out, k_cache, v_cache, decodes, tables, lens, starts, L, qk_scale, v_scale);
+    if (prompts.empty()) return;
+    std::vector<int32_t> wide_tables(tables, tables + num_seqs * L.table_stride);
+    std::vector<int32_t> sources;  // wide block b holds pool block sources[b]
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      if (starts[s + 1] - starts[s] == 1) continue;
+      for (int64_t j = 0; j < (lens[s] + L.block_size - 1) / L.block_size; ++j) {
+        wide_tables[s * L.table_stride + j] = int32_t(sources.size());
+        sources.push_back(tables[s * L.table_stride + j]);
+      }
+    }
+    const std::vector<int64_t> shape{int64_t(sources.size()), k_cache.size(1), k_cache.size(2), k_cache.size(3)};
+    at::Tensor wide_k = at::empty(shape, q.options());
+    at::Tensor wide_v = at::empty(shape, q.options());
+    const int64_t block = L.cache_stride_block;  // elements per block: the pools are contiguous
+    const C* kc = static_cast<const C*>(k_cache.data_ptr());
+    const C* vc = static_cast<const C*>(v_cache.data_ptr());
+    T* wk = wide_k.data_ptr<T>();
+    T* wv = wide_v.data_ptr<T>();
+    at::parallel_for(0, int64_t(sources.size()), 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        widen(kc + sources[b] * block, wk + b * block, block);
+        widen(vc + sources[b] * block, wv + b * block, block);
+      }
+    });
+    dispatch_head_dim<T, T>(nv, nvs, q, out, wide_k, wide_v, prompts, wide_tables.data(), lens, starts, L, qk_scale,
+                            v_scale);
+  }
+}
+
+// The cache's storage type: the queries' own, or an 8-bit float.
+template <typename T>
+void run_storage(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                 at::Tensor& v_cache, const at::Tensor& slot_mapping, at::Tensor& out,
+                 const std::vector<WorkItem>& items, const int32_t* tables, int64_t num_seqs, const int32_t* lens,
+                 const int32_t* starts, const Layout& L, float scale, float k_scale, float v_scale) {
+  switch (k_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn:
+      return run<T, c10::Float8_e4m3fn>(q, k, v, k_cache, v_cache, slot_mapping, out, items, tables, num_seqs, lens,
+                                        starts, L, scale, k_scale, v_scale);
+    case at::kFloat8_e5m2:
+      return run<T, c10::Float8_e5m2>(q, k, v, k_cache, v_cache, slot_mapping, out, items, tables, num_seqs, lens,
+                                      starts, L, scale, k_scale, v_scale);
+    default:
+      return run<T, T>(q, k, v, k_cache, v_cache, slot_mapping, out, items, tables, num_seqs, lens, starts, L, scale,
+                       k_scale, v_scale);
+  }
 }
 
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                                const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                const at::Tensor& query_start_loc, int64_t max_query_len,
-                               int64_t max_seq_len, double scale) {
+                               int64_t max_seq_len, double scale, double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be (T, heads, head_dim)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "caches must be contiguous (num_blocks, block_size, kv_heads, head_dim)");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must have one shape");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == q.scalar_type() &&
-                  v.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q, k, v and the caches must share one dtype");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  const auto storage = k_cache.scalar_type();
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k and v must share one dtype");
+  TORCH_CHECK(v_cache.scalar_type() == storage, "k_cache and v_cache must share one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q: float32 or bfloat16 only");
+  TORCH_CHECK(storage == q.scalar_type() || storage == at::kFloat8_e4m3fn || storage == at::kFloat8_e5m2,
+              "the cache holds q's dtype or an 8-bit float");
+  TORCH_CHECK(storage != q.scalar_type() || (k_scale == 1.0 && v_scale == 1.0), "scales apply to 8-bit caches only");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -586,9 +780,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
 
   if (q.scalar_type() == at::kBFloat16) {
-    run<c10::BFloat16>(q, k, v, k_cache, v_cache, slot_mapping, out, items, tables, lens, starts, L, float(scale));
+    run_storage<c10::BFloat16>(q, k, v, k_cache, v_cache, slot_mapping, out, items, tables, num_seqs, lens, starts, L,
+                               float(scale), float(k_scale), float(v_scale));
   } else {
-    run<float>(q, k, v, k_cache, v_cache, slot_mapping, out, items, tables, lens, starts, L, float(scale));
+    run_storage<float>(q, k, v, k_cache, v_cache, slot_mapping, out, items, tables, num_seqs, lens, starts, L, float(scale),
+                       float(k_scale), float(v_scale));
   }
   return out;
 }

@@ -20,12 +20,14 @@ def parse_size(text: str | int) -> int:
 
 
 CUDA_BLOCK_SIZE = 256
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype; fp8: 8-bit floats, scaled
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str | None = "1GiB"  # ignored when num_blocks is given
     num_blocks: int | None = None
@@ -60,6 +62,8 @@ class EngineConfig:
             raise ValueError("num_threads must be positive")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError("dtype must be float32 or bfloat16")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         # NOTE: on CUDA, attention reads the pool with Flash's paged kernel, whose pages are 256 tokens
         if self.device.startswith("cuda") and self.block_size % CUDA_BLOCK_SIZE:
             raise ValueError(f"on CUDA block_size must be a multiple of {CUDA_BLOCK_SIZE} (Flash's paged KV kernel)")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvcache.manager import KVCacheManager
+from kvcache.quant import dtype_name, kv_cache_dtype, scales_for
 from kvcache.storage import KVCacheSpec, PagedKVCache
 from models.cpu_linear import pack_linears
 from models.loader import load_model, load_tokenizer, parse_dtype
@@ -57,9 +58,10 @@ class LLMEngine:
         cfg = model.config
         self.model_config = cfg
         self.max_model_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
-        self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, config.block_size)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.dtype)
+        self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, config.block_size)
         num_blocks = config.num_blocks or self.kv_spec.num_blocks_for(config.kv_cache_memory)
-        self.cache = PagedKVCache(self.kv_spec, num_blocks, model.device)
+        self.cache = PagedKVCache(self.kv_spec, num_blocks, model.device, scales_for(model, kv_dtype, tokenizer))
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.kv_spec.bytes_per_block)
@@ -69,7 +71,7 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.info = ModelInfo(self.max_model_len, cfg.attention_kind, cfg.num_kv_heads, self.kv_spec.bytes_per_token,
-                              cfg.vocab_size, config.block_size, num_blocks, cfg.num_heads)
+                              cfg.vocab_size, config.block_size, num_blocks, cfg.num_heads, dtype_name(kv_dtype))
         self.groups: dict[str, list[Request]] = {}
         self.num_steps = 0
         self.num_step_errors = 0
