@@ -51,10 +51,9 @@ class PagedKVCache:
                  scales: KVScales | None = None) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
-        self.quantized = is_8bit(spec.dtype)
         self.scales = scales or KVScales.ones(spec.num_layers)
         # NOTE: a pool in the model's dtype stores K/V as they are: a scale there would be silently ignored
-        if not self.quantized and set(self.scales.k + self.scales.v) != {1.0}:
+        if not is_8bit(spec.dtype) and set(self.scales.k + self.scales.v) != {1.0}:
             raise ValueError("scales apply to an 8-bit KV cache only")
         if len(self.scales.k) != spec.num_layers or len(self.scales.v) != spec.num_layers:
             raise ValueError("one K and one V scale per layer")

@@ -183,6 +183,14 @@ inline vf fp8_to_float(const uint8_t* p) {
   return out;
 }
 
+// One code -> float, as fp8_to_float widens it (0x80, which writes never store, reads as +0).
+template <typename C>
+inline float fp8_one(C x) {
+  uint8_t code;
+  std::memcpy(&code, &x, 1);
+  return (code & 0x7f) ? float(x) : 0.f;
+}
+
 // n storage values -> NV * W floats (zero padded).
 template <typename T, int NV>
 inline void to_float(const T* src, float* dst, int n) {
@@ -192,7 +200,7 @@ inline void to_float(const T* src, float* dst, int n) {
     const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
     int i = 0;
     for (; i + W <= n; i += W) store(dst + i, fp8_to_float<T>(s + i));
-    for (; i < n; ++i) dst[i] = (s[i] & 0x7f) ? float(src[i]) : 0.f;
+    for (; i < n; ++i) dst[i] = fp8_one(src[i]);
   } else {
     static_assert(std::is_same_v<T, c10::BFloat16>);
     const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
@@ -247,7 +255,7 @@ inline void copy_k(const C* src, K* dst, int64_t n) {
       const vh2 out = mag == 0 ? vh2{} : bits;
       std::memcpy(d + i, &out, sizeof out);
     }
-    for (; i < n; ++i) dst[i] = (s[i] & 0x7f) ? K(float(src[i])) : K(0.f);
+    for (; i < n; ++i) dst[i] = K(fp8_one(src[i]));
   }
 }
 
@@ -638,7 +646,7 @@ inline void widen(const C* src, T* dst, int64_t n) {
     const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
     int64_t i = 0;
     for (; i + W <= n; i += W) store(dst + i, fp8_to_float<C>(s + i));
-    for (; i < n; ++i) dst[i] = (s[i] & 0x7f) ? float(src[i]) : 0.f;
+    for (; i < n; ++i) dst[i] = fp8_one(src[i]);
   }
 }
 
