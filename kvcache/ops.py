@@ -6,8 +6,9 @@ sequence's keys through the block table, causally. An 8-bit pool (kvcache/quant.
 divided by the layer's `k_scale` / `v_scale`, rounded to 8 bits as it writes them, and the op
 multiplies the scales back in as it reads. Implementations:
 
-* CPU: the C++ kernel in `kvcache/csrc` (reads blocks in place). Where it cannot be built (no
-  compiler) or `ATTNSERVE_NATIVE=0`, `sdpa_paged_attention` instead, with a warning.
+* CPU: the C++ kernel in `kvcache/csrc` (reads blocks in place), built for the CPU's ISA level
+  (models/native.py). Where it cannot be built (no compiler) or `ATTNSERVE_NATIVE=0`,
+  `sdpa_paged_attention` instead, with a warning.
 * CUDA: `torch.nn.attention.varlen.varlen_attn` with the block table (Flash's paged kernel); an
   8-bit pool takes the gather path (Flash's paged kernel reads no 8-bit K/V on this torch).
 
@@ -99,13 +100,13 @@ def _varlen_paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_table
 
 
 def _load_native() -> str:
-    """Register the CPU implementation: the C++ kernel, else the gather path. Returns which."""
+    """Register the CPU implementation: the C++ kernel, else the gather path. Returns which
+    ("native-<ISA level>" or "sdpa")."""
     if os.environ.get("ATTNSERVE_NATIVE", "1") != "0":
         try:
-            from kvcache.native import build
+            from models.native import load
 
-            torch.ops.load_library(str(build()))
-            return "native"
+            return f"native-{load('paged_attention')}"
         except Exception as e:  # noqa: BLE001 - any build failure means: serve on the slower path
             reason = str(e).splitlines()[0]
             warnings.warn(f"attnserve: the C++ paged-attention kernel is unavailable ({reason}); "

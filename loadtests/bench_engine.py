@@ -8,8 +8,14 @@ Systems (--systems, run one after another, each measured the same way):
   attnserve_fp8      the same with an 8-bit KV cache (--kv-cache-dtype fp8_e4m3)
   vllm               vLLM's CPU build (`make peers`: .venv-peers), both cores for its OpenMP threads
   vllm_default       vLLM with its default binding (one core for the model, one kept for its frontend)
+  llamacpp           llama.cpp's llama-bench (`make peers`) on a bf16 GGUF of the same weights: batch-1
+                     decode (tg128) and prefill of the same prompt length; it has no batched workload
   hf_generate        transformers `model.generate`, static padded batches
   hf_generate_batch  transformers `model.generate_batch` (its continuous batching, paged attention)
+`--dtype auto` (the default) is resolved once, as the engine resolves it on this CPU, and every
+system runs that dtype. Under ATTNSERVE_CPU_ISA (e.g. avx2 on an AVX-512 machine) the peers run
+at that level too: vLLM with torch's and oneDNN's caps and its AVX2 kernels
+(loadtests/peer_isa), llama.cpp from an AVX2 build (`make peers LLAMA_CPP_ISA=avx2`).
 Every request generates exactly --max-tokens greedy tokens (EOS ignored / suppressed). For the
 engines: decode step time at batch 1, 8 and 32 (median step once every sequence decodes, 128-token
 prompts; batch-1 tok/s is its inverse), prefill GFLOP/s (one --prefill-tokens prompt), and for
@@ -34,15 +40,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from models.cpu_features import apply_isa_cap  # noqa: E402
+
+apply_isa_cap()  # NOTE: before torch: ATTNSERVE_CPU_ISA=avx2 benchmarks an AVX2 CPU on a bigger one
 import torch  # noqa: E402
 
 from loadtests.engine_timing import EngineAdapter, decode_step_ms, step_timings  # noqa: E402
+from loadtests.servers import peer_isa_env  # noqa: E402
 from models import load_tokenizer, resolve_model  # noqa: E402
-from models.loader import parse_dtype  # noqa: E402
+from models.cpu_features import choose_isa, read_cpu_features  # noqa: E402
+from models.cpu_path import DTYPES  # noqa: E402
+from models.loader import parse_dtype, serving_dtype  # noqa: E402
 from server.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
-SYSTEMS = ("attnserve", "attnserve_eager", "attnserve_fp8", "vllm", "vllm_default", "hf_generate", "hf_generate_batch")
-DEFAULT_SYSTEMS = "attnserve,vllm,vllm_default,hf_generate,hf_generate_batch"
+SYSTEMS = ("attnserve", "attnserve_eager", "attnserve_fp8", "vllm", "vllm_default", "llamacpp", "hf_generate",
+           "hf_generate_batch")
+DEFAULT_SYSTEMS = "attnserve,vllm,vllm_default,llamacpp,hf_generate,hf_generate_batch"
 STEP_BATCHES = (1, 8, 32)
 STEP_PROMPT_TOKENS = 128
 
@@ -138,7 +151,7 @@ def bench_attnserve(args, prompts, steps, eager: bool = False, kv_cache_dtype: s
     return {"output_tokens_per_s": statistics.median(runs), "ttft_p50_s": statistics.median(ttfts),
             "runs_tokens_per_s": runs, **timings, "startup_s": startup,
             "compile_s": getattr(engine.runner, "compile_seconds", 0.0), "roofline_tokens_per_s": bw / wbytes,
-            "weight_bytes": wbytes, "copy_bandwidth_gb_s": bw / 1e9,
+            "weight_bytes": wbytes, "copy_bandwidth_gb_s": bw / 1e9, "cpu_path": engine.cpu_path.describe(),
             "prefill_flops": prefill_flops(engine.model, len(steps["prefill_prompt"]))}
 
 
@@ -180,7 +193,8 @@ def bench_vllm(args, prompts, steps, default_binding: bool = False) -> dict:
     python = peer_python(args)
     if not python.exists():
         return {"skipped": f"{python} not found: run `make peers` to install vLLM's CPU build"}
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
+           **peer_isa_env()}
     if not default_binding:
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     with tempfile.TemporaryDirectory() as tmp:
@@ -193,6 +207,32 @@ def bench_vllm(args, prompts, steps, default_binding: bool = False) -> dict:
         if proc.returncode != 0:
             return {"skipped": f"vLLM failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"}
         return json.loads(out.read_text())
+
+
+def bench_llamacpp(args) -> dict:
+    """llama-bench: batch-1 decode of 128 tokens and a prefill of --prefill-tokens, medians of --repeats."""
+    bench = Path(args.llama_bench or ROOT / ".peers" / f"llama.cpp-{llama_cpp_isa()}" / "bin" / "llama-bench")
+    gguf = Path(args.gguf or ROOT / ".peers" / "smollm2-135m-instruct-bf16.gguf")
+    for need in (bench, gguf):
+        if not need.exists():
+            return {"skipped": f"{need} not found: run `make peers` (LLAMA_CPP_ISA=avx2 for an AVX2 build)"}
+    cmd = [str(bench), "-m", str(gguf), "-t", str(args.threads), "-p", str(args.prefill_tokens), "-n", "128",
+           "-r", str(max(args.repeats, 3)), "-o", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"skipped": f"llama-bench failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"}
+    rows = json.loads(proc.stdout)
+    tg = next(r for r in rows if r["n_gen"] > 0)
+    pp = next(r for r in rows if r["n_prompt"] > 0)
+    decode = statistics.median(tg["samples_ts"])
+    return {"batch1_tokens_per_s": decode, "step_ms": {"1": 1000 / decode},
+            "prefill_s": args.prefill_tokens / statistics.median(pp["samples_ts"]), "build": str(bench),
+            "gguf": str(gguf), "cpu_info": tg.get("cpu_info", "")}
+
+
+def llama_cpp_isa() -> str:
+    """The llama.cpp build for this run: the AVX2 one where the run is capped at AVX2."""
+    return "avx2" if choose_isa(read_cpu_features()) == "avx2" else "native"
 
 
 def _hf_model(args):
@@ -253,7 +293,8 @@ def bench_hf_generate_batch(args, prompts, model) -> dict:
 def print_table(args, results: dict) -> None:
     ours = results["attnserve"] if "output_tokens_per_s" in results.get("attnserve", {}) else None
     flops = ours["prefill_flops"] if ours else None
-    print(f"\nmodel={args.model} dtype={args.dtype} threads={args.threads} requests={args.num_requests} "
+    print(f"\nmodel={args.model} dtype={args.dtype} isa={choose_isa(read_cpu_features())} threads={args.threads} "
+          f"requests={args.num_requests} "
           f"prompts={args.min_prompt}-{args.max_prompt} new_tokens={args.max_tokens} repeats={args.repeats}")
     steps = "".join(f"{f'step@{b} ms':>12}" for b in STEP_BATCHES)
     print(f"{'system':<19}{'output tok/s':>13}{'TTFT p50 s':>11}{'attnserve x':>12}{'batch-1 tok/s':>14}{steps}"
@@ -262,11 +303,15 @@ def print_table(args, results: dict) -> None:
         if "skipped" in r:
             print(f"{name:<19}skipped: {r['skipped']}")
             continue
-        ratio = f"{ours['output_tokens_per_s'] / r['output_tokens_per_s']:.2f}" if ours else "-"
-        row = f"{name:<19}{r['output_tokens_per_s']:>13.1f}{r['ttft_p50_s']:>11.2f}{ratio:>12}"
+        if "output_tokens_per_s" in r:
+            ratio = f"{ours['output_tokens_per_s'] / r['output_tokens_per_s']:.2f}" if ours else "-"
+            row = f"{name:<19}{r['output_tokens_per_s']:>13.1f}{r['ttft_p50_s']:>11.2f}{ratio:>12}"
+        else:  # llama-bench: no batched workload
+            row = f"{name:<19}{'-':>13}{'-':>11}{'-':>12}"
         if "step_ms" in r:
             b1 = 1000 / r["step_ms"]["1"]
-            row += f"{b1:>14.1f}" + "".join(f"{r['step_ms'][str(b)]:>12.1f}" for b in STEP_BATCHES)
+            row += f"{b1:>14.1f}" + "".join(f"{r['step_ms'][b]:>12.1f}" if b in r["step_ms"] else f"{'-':>12}"
+                                             for b in map(str, STEP_BATCHES))
             row += f"{flops / r['prefill_s'] / 1e9:>16.0f}" if flops else ""
         print(row)
     if ours:
@@ -274,7 +319,7 @@ def print_table(args, results: dict) -> None:
         print(f"attnserve batch-1 decode: {b1:.1f} tok/s = {b1 / ours['roofline_tokens_per_s']:.0%} of the roofline "
               f"{ours['roofline_tokens_per_s']:.1f} tok/s ({ours['weight_bytes'] / 1e6:.0f} MB of weights at "
               f"{ours['copy_bandwidth_gb_s']:.1f} GB/s copy bandwidth); engine start {ours['startup_s']:.1f} s "
-              f"(compile / load of the compiled step {ours['compile_s']:.1f} s)")
+              f"(compile / load of the compiled step {ours['compile_s']:.1f} s)\nattnserve path: {ours['cpu_path']}")
     if "startup" in results.get("attnserve", {}):
         s = ours["startup"]
         print(f"attnserve engine start in a new process: cold compile cache {s['cold']:.1f} s, warm {s['warm']:.1f} s")
@@ -283,7 +328,7 @@ def print_table(args, results: dict) -> None:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: what the engine chooses on this CPU")
     ap.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, from {', '.join(SYSTEMS)}")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -297,6 +342,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     ap.add_argument("--repeats", type=int, default=1, help="runs per system; medians are reported")
     ap.add_argument("--peers-venv", default=str(ROOT / ".venv-peers"), help="where `make peers` put vLLM")
+    ap.add_argument("--llama-bench", help="llama-bench binary (default: the one `make peers` built for this run's ISA)")
+    ap.add_argument("--gguf", help="GGUF for llama.cpp (default: the bf16 one `make peers` wrote)")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of attnserve decode steps")
     ap.add_argument("--startup", action="store_true", help="also time attnserve's start with a cold and a warm cache")
     ap.add_argument("--json", help="write results here")
@@ -306,6 +353,8 @@ def main(argv=None) -> dict:
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     torch.set_num_threads(args.threads)
+    # NOTE: every system runs the dtype the engine chooses here (auto: bf16 only where it is native)
+    args.dtype = serving_dtype(resolve_model(args.model), args.dtype)
     vocab = len(load_tokenizer(resolve_model(args.model)))
     prompts = make_prompts(args.num_requests, args.min_prompt, args.max_prompt, vocab)
     steps = step_workload(args, vocab)
@@ -318,6 +367,8 @@ def main(argv=None) -> dict:
                 results[name]["startup"] = startup_times(args)
         elif name in ("vllm", "vllm_default"):
             results[name] = bench_vllm(args, prompts, steps, default_binding=name == "vllm_default")
+        elif name == "llamacpp":
+            results[name] = bench_llamacpp(args)
         else:
             hf = hf or _hf_model(args)
             results[name] = (bench_hf_generate if name == "hf_generate" else bench_hf_generate_batch)(args, prompts, hf)

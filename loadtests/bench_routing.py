@@ -125,7 +125,7 @@ def run_system(system: str, args, reqs, warm, out: Path) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="the engine's --dtype (auto: bf16 where the CPU computes it natively)")
     p.add_argument("--num-prefixes", type=int, default=8)
     p.add_argument("--prefix-words", type=int, default=700, help="about 1,000 tokens with the default tokenizer")
     p.add_argument("--requests", type=int, default=160)

@@ -30,6 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from models.cpu_features import apply_isa_cap  # noqa: E402
+
+apply_isa_cap()  # NOTE: before torch; the servers it starts get the cap from the environment too
 import httpx  # noqa: E402
 
 from loadtests.burst import burst_prompts, http_bursts, inprocess_bursts  # noqa: E402
@@ -37,6 +40,8 @@ from loadtests.run_loadtest import run_locust, summarize  # noqa: E402
 from loadtests.servers import BIN, PEERS_VENV, ROOT, attnserve_cmd, free_port, running, vllm_cmd  # noqa: E402
 from loadtests.workload import DEFAULT_WORKLOAD, ensure  # noqa: E402
 from models import load_tokenizer, resolve_model  # noqa: E402
+from models.cpu_path import DTYPES  # noqa: E402
+from models.loader import serving_dtype  # noqa: E402
 
 SYSTEMS = ("attnserve", "vllm", "transformers_serve_cb", "transformers_serve")
 BURST_SYSTEMS = ("attnserve", "attnserve_inprocess", "vllm")
@@ -104,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=["locust", "burst"], default="locust")
     ap.add_argument("--model", default="default", help="model name or directory (safetensors)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: what the engine chooses on this CPU")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--users", type=int, default=16, help="locust mode")
     ap.add_argument("--spawn-rate", type=float, default=4, help="locust mode")
@@ -126,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"unknown systems for --mode {args.mode}: {sorted(set(systems) - set(allowed))}; "
                  f"choose from {', '.join(allowed)}")
     model_dir = resolve_model(args.model)
+    args.dtype = serving_dtype(model_dir, args.dtype)  # NOTE: every server computes in the engine's dtype
     if args.mode == "burst":
         vocab = len(load_tokenizer(model_dir))
         warm = burst_prompts(vocab, 1, args.prompt_tokens, "warm-up")

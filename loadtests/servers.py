@@ -68,6 +68,19 @@ def attnserve_cmd(models: dict[str, str], port: int, extra: list[str] | None = N
 PEERS_VENV = ROOT / ".venv-peers"
 
 
+def peer_isa_env() -> dict[str, str]:
+    """Where this run is capped below the CPU's own level (ATTNSERVE_CPU_ISA), the same cap for a
+    peer's processes: torch's and oneDNN's caps, and loadtests/peer_isa for its feature checks."""
+    from models.cpu_features import choose_isa, read_cpu_features, torch_isa_env
+
+    features = read_cpu_features()
+    isa = choose_isa(features)
+    if isa == features.isa:
+        return {}
+    path = os.pathsep.join(filter(None, [str(ROOT / "loadtests" / "peer_isa"), os.environ.get("PYTHONPATH")]))
+    return {**torch_isa_env(isa, features), "ATTNSERVE_PEER_ISA": isa, "PYTHONPATH": path}
+
+
 def vllm_cmd(model_dir: str | Path, port: int, dtype: str, threads: int,
              venv: str | Path = PEERS_VENV) -> tuple[list[str], dict[str, str]]:
     """`vllm serve` from the venv `make peers` builds: (command, env); served as model "default".
@@ -83,5 +96,5 @@ def vllm_cmd(model_dir: str | Path, port: int, dtype: str, threads: int,
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--enable-prefix-caching",
            "--seed", "0"]
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2", **peer_isa_env()}
     return cmd, env

@@ -1,11 +1,22 @@
-"""Decoder-only Transformers built from one MHA/GQA/MQA attention class."""
-from models.attention import CausalSelfAttention, DenseAttention, reference_attention
-from models.config import ModelConfig, RopeConfig
-from models.loader import load_model, load_tokenizer
-from models.registry import resolve_model
-from models.transformer import DecoderLM
+"""Decoder-only Transformers built from one MHA/GQA/MQA attention class.
 
-__all__ = [
-    "CausalSelfAttention", "DecoderLM", "DenseAttention", "ModelConfig", "RopeConfig",
-    "load_model", "load_tokenizer", "reference_attention", "resolve_model",
-]
+Names resolve lazily, so importing a torch-free module of this package (cpu_features) first
+lets the CPU's ISA cap reach torch before torch starts.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "CausalSelfAttention": "models.attention", "DenseAttention": "models.attention",
+    "reference_attention": "models.attention", "ModelConfig": "models.config", "RopeConfig": "models.config",
+    "load_model": "models.loader", "load_tokenizer": "models.loader", "resolve_model": "models.registry",
+    "DecoderLM": "models.transformer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -100,6 +100,9 @@ def read_gguf(path: Path) -> HFCheckpoint:
         elif permute and ".self_attn.k_proj." in name:
             w = _unpermute(w, config["num_key_value_heads"])
         tensors[name] = torch.tensor(w)  # copies out of the read-only memory map
+    # NOTE: the dtype `--dtype auto` starts from: a file of quantized or 16-bit matrices is a 16-bit model
+    wide = any(t.tensor_type == gguf.GGMLQuantizationType.F32 and len(t.shape) == 2 for t in reader.tensors)
+    config["dtype"] = "float32" if wide else "bfloat16"
     return HFCheckpoint(config=config, tensors=tensors, source=path)
 
 

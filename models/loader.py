@@ -43,6 +43,35 @@ def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, devic
     return model_from_checkpoint(read_checkpoint(path), parse_dtype(dtype), device)
 
 
+def checkpoint_dtype(ckpt: HFCheckpoint) -> str:
+    """The checkpoint's own dtype, which `--dtype auto` starts from: its config's, else its tensors'."""
+    declared = str(ckpt.config.get("dtype") or ckpt.config.get("torch_dtype") or "auto").removeprefix("torch.")
+    if declared != "auto":
+        return declared
+    first = next((t for t in ckpt.tensors.values() if t.is_floating_point()), None)
+    return "float32" if first is None else str(first.dtype).removeprefix("torch.")
+
+
+def serving_dtype(path: str | Path, dtype: str = "auto", device: str = "cpu") -> str:
+    """The dtype `load_for_serving` computes in for this checkpoint here (`auto` resolved)."""
+    from models.cpu_path import detect, resolve_dtype
+
+    return resolve_dtype(detect(device), dtype, checkpoint_dtype(read_checkpoint(path)), device)
+
+
+def load_for_serving(path: str | Path, dtype: str = "auto", device: str = "cpu") -> DecoderLM:
+    """A model ready to serve here: in the dtype its CPU path computes in, with that path's
+    linears swapped in (`model.cpu_path` says which; models/cpu_path.py chooses)."""
+    from models.cpu_path import detect, prepare, resolve_dtype
+
+    ckpt = read_checkpoint(path)
+    caps = detect(device)
+    source = checkpoint_dtype(ckpt)
+    model = model_from_checkpoint(ckpt, parse_dtype(resolve_dtype(caps, dtype, source, device)), device)
+    prepare(model, caps, dtype, source, device)
+    return model
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """HF fast tokenizer (with chat template) from a checkpoint directory or a GGUF file."""
     path = Path(path)

@@ -44,6 +44,7 @@ class DecoderLM(nn.Module):
             self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
         else:
             self.inv_freq = None
+        self.cpu_path = None  # set once by models.cpu_path.prepare: how this machine runs the model
 
     @property
     def dtype(self) -> torch.dtype:

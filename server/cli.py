@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import logging
 import os
 import sys
 
@@ -98,7 +99,7 @@ def _eval(args: argparse.Namespace) -> int:
     from kvcache.quant import dtype_name, kv_cache_dtype, scales_for
     from kvcache.storage import KVCacheSpec, PagedKVCache
     from models.corpus import HELD_OUT_PLAY, held_out_text
-    from models.loader import load_model, load_tokenizer, parse_dtype
+    from models.loader import load_for_serving, load_tokenizer
     from models.perplexity import perplexity
     from models.registry import resolve_model
     from server import eval_results
@@ -109,7 +110,7 @@ def _eval(args: argparse.Namespace) -> int:
     rows = []
     for name in args.model or ["default"]:
         path = resolve_model(name)
-        model = load_model(path, parse_dtype(args.dtype))
+        model = load_for_serving(path, args.dtype)
         cfg = model.config
         tokenizer = load_tokenizer(path)
         ids = tokenizer(text)["input_ids"]
@@ -125,7 +126,7 @@ def _eval(args: argparse.Namespace) -> int:
                      "perplexity": ppl})
         print(f"{name}: {len(ids)} tokens, perplexity {rows[-1]['perplexity']:.4f}", file=sys.stderr, flush=True)
     source = args.text or f"{HELD_OUT_PLAY} (held out)"
-    print(f"text: {source}; window {args.window}, stride {args.stride}, dtype {args.dtype}")
+    print(f"text: {source}; window {args.window}, stride {args.stride}, dtype {model.cpu_path.dtype}")
     print(f"{'model':40} {'attention':9} {'kv heads':>8} {'kv dtype':>9} {'kv B/token':>10} {'perplexity':>11}")
     for r in rows:
         print(f"{r['model']:40} {r['attention']:9} {r['kv_heads']:8d} {r['kv_cache_dtype']:>9} "
@@ -271,9 +272,17 @@ def _add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
                         "of bf16's bytes, one power-of-two scale per layer for K and for V, calibrated at load)")
 
 
+def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    from models.cpu_path import DTYPES
+
+    p.add_argument("--dtype", choices=DTYPES, default=_defaults_engine()["dtype"],
+                   help="compute dtype; auto: the checkpoint's where this CPU computes it natively (bf16 needs "
+                        "AVX512-BF16), else float32 (`attnserve env` shows the choice)")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d = _defaults_engine()
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d["dtype"])
+    _add_dtype_arg(p)
     _add_kv_dtype_arg(p)
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", default=d["kv_cache_memory"], help="KV cache budget, e.g. 1GiB or 512MiB")
@@ -322,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="perplexity on a held-out text per model: quality against KV bytes per token")
     ev.add_argument("--model", action="append", help="checkpoint directory, .gguf file or model name (repeat it)")
     ev.add_argument("--text", help="a UTF-8 text file (default: a Shakespeare play no load-test workload uses)")
-    ev.add_argument("--dtype", choices=["float32", "bfloat16"], default=_defaults_engine()["dtype"])
+    _add_dtype_arg(ev)
     _add_kv_dtype_arg(ev)
     ev.add_argument("--window", type=int, default=1024, help="tokens per window")
     ev.add_argument("--stride", type=int, default=512, help="tokens between window starts")
@@ -330,6 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", help="write the rows here: model, attention, kv_heads, kv_cache_dtype, "
                                    "kv_bytes_per_token, perplexity")
     ev.set_defaults(func=_eval)
+
+    env = sub.add_parser("env", help="what a bug report needs: CPU, ISA level, torch / oneDNN / compiler "
+                                     "versions and the paths attnserve chooses here")
+    env.add_argument("--json", action="store_true", help="print it as JSON")
+    env.set_defaults(func=_env)
 
     srv = sub.add_parser("serve", help="start Ray Serve with the OpenAI-compatible API")
     srv.add_argument("--model", action="append", metavar="NAME=PATH_OR_NAME",
@@ -368,9 +382,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _env(args: argparse.Namespace) -> int:
+    import json
+
+    from server.env_report import collect, render
+
+    report = collect()
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    from models.cpu_features import apply_isa_cap
+
     args = build_parser().parse_args(argv)
+    # NOTE: the engine's one start line (CPU path) shows; other libraries keep their levels
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("server.engine.engine").setLevel(logging.INFO)
     try:
+        apply_isa_cap()  # before torch runs anything: ATTNSERVE_CPU_ISA caps torch and oneDNN too
         return args.func(args)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"attnserve {args.command}: error: {e}", file=sys.stderr)

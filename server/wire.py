@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from models.cpu_path import CpuPath
 from server.engine.sampling_params import SamplingParams
 
 
@@ -112,6 +113,7 @@ class ModelInfo:
     num_blocks: int
     num_heads: int  # query heads: with num_kv_heads, what MHA / GQA / MQA forms would cost
     kv_cache_dtype: str  # the pool's storage: bfloat16, float32, fp8_e4m3 or fp8_e5m2
+    cpu_path: CpuPath  # how the engine computes on its machine (ISA, dtype, linears, attention kernel)
 
 
 # ---- replica <-> engine process ------------------------------------------------------------------

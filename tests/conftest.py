@@ -4,6 +4,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from models.cpu_features import apply_isa_cap  # noqa: E402
+
+apply_isa_cap()  # NOTE: before torch: a run under ATTNSERVE_CPU_ISA=avx2 is a run on an AVX2 CPU
+
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402

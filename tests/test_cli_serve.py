@@ -35,6 +35,14 @@ def test_make_serve_answers_the_readme_snippets_and_stops_on_sigterm():
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc, timeout=300)
+        path = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["cpu_path"]
+        from models.native import machine_isa
+
+        # --dtype auto: bf16 only where this CPU (or the cap CI runs under) has bf16 arithmetic
+        native_bf16 = machine_isa() == "avx512_bf16"
+        assert path["isa"] == machine_isa() and path["attention"] == f"native-{machine_isa()}"
+        assert (path["dtype"], path["weight_dtype"], path["linear"]) == (
+            "bfloat16" if native_bf16 else "float32", "bfloat16", "panels")
         curl = readme_block("bash", "curl ").replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120, check=True).stdout
         assert "Paris" in out and '"finish_reason"' in out

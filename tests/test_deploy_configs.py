@@ -22,7 +22,7 @@ def test_serve_yaml_args_are_a_valid_serve_config():
     eager = {**app["args"], "engine": {**app["args"]["engine"], "enforce_eager": True}}
     assert ServeConfig.from_args(eager).engine_config("default").enforce_eager
     one = cfg.engine_config("m", cpus=2.0)  # the replica's engine: the shared settings, its model and threads
-    assert (one.model, one.num_threads, one.dtype, one.block_size) == ("m", 2, "bfloat16", 16)
+    assert (one.model, one.num_threads, one.dtype, one.block_size) == ("m", 2, "auto", 16)
     with pytest.raises(ValueError, match="block_size must be a positive power of two"):
         ServeConfig.from_args({**app["args"], "engine": {"block_size": 3}})
     with pytest.raises(TypeError):  # engine fields are not ServeConfig fields

@@ -195,11 +195,17 @@ def test_engine_with_an_8bit_pool_keeps_the_serving_invariants(tiny_checkpoints)
 CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a hash table is.",
                 "Give me three tips for better sleep.", "What is 17 times 23?", "Who wrote Romeo and Juliet?",
                 "Translate 'good morning' into Spanish.", "Describe a cat in two sentences."]
-# Leading tokens of each greedy answer (of 32) equal to the bf16 cache's, summed over the 8 prompts.
-# Measured 2026-11-30: e4m3 [19, 1, 32, 3, 16, 10, 5, 32] = 118, e5m2 [19, 1, 18, 3, 11, 10, 19, 12] = 93.
-# The model's bf16 logits often tie to within one bf16 step (0.125 near 25), so the 8-bit rounding
-# flips a near-tie early in some answers; perplexity (docs/attention.md) is the quality measure.
-MEASURED_AGREEMENT = {"fp8_e4m3": 118, "fp8_e5m2": 93}
+# Where an 8-bit cache's greedy answer first leaves the bf16 cache's, the two candidates must have
+# been close in the bf16 run: the model's bf16 logits often tie to within one bf16 step (0.125 near
+# 25), so 8-bit rounding flips near-ties, and which ones depends on the order of each matmul's sums
+# (oneDNN or panel linears, each ISA's kernels). Measured 2026-12-01 over these 8 prompts x 32
+# tokens, the largest gap at a first divergence in the bf16 run's logprobs: AVX512-BF16 0.62 (e4m3)
+# and 0.38 (e5m2), ATTNSERVE_CPU_ISA=avx2 0.38 and 0.69. The leading tokens that agree moved between
+# builds from 87 to 118 of 256 (e4m3) and from 76 to 100 (e5m2), so their sum is only bounded loosely.
+# A broken 8-bit path diverges at once, to tokens the bf16 run gave no weight.
+# Perplexity (docs/attention.md) is the quality measure.
+FLIP_GAP = 1.0  # logprob gap in the bf16 run at a first divergence
+MIN_AGREEMENT = 64  # leading tokens that agree, of 256 (a quarter)
 
 
 @pytest.mark.slow
@@ -207,19 +213,27 @@ def test_default_model_greedy_tokens_agree_with_a_bf16_cache(default_model_dir):
     from tests.test_default_model import chat_ids
 
     runs = {}
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=5)
     for kv in ("auto", "fp8_e4m3", "fp8_e5m2"):
-        e = LLMEngine(EngineConfig(model=str(default_model_dir), kv_cache_dtype=kv, kv_cache_memory="64MiB",
-                                   enforce_eager=True))
+        e = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="bfloat16", kv_cache_dtype=kv,
+                                   kv_cache_memory="64MiB", enforce_eager=True))
         prompts = [chat_ids(e.tokenizer, p) for p in CHAT_PROMPTS]
-        runs[kv], _ = greedy(e, prompts, max_tokens=32)
+        runs[kv] = [g[0] for g in e.generate(prompts, params)]
         assert e.kv.num_used_blocks == 0
-    agreement = {}
+    report = {}
     for kv in ("fp8_e4m3", "fp8_e5m2"):
-        agreement[kv] = [next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref))
-                         for ref, got in zip(runs["auto"], runs[kv])]
-    print(json.dumps(agreement))
-    for kv, want in MEASURED_AGREEMENT.items():
-        assert sum(agreement[kv]) >= want, agreement
+        leading, gaps = [], []
+        for ref, got in zip(runs["auto"], runs[kv]):
+            i = next((i for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b), None)
+            leading.append(len(ref.token_ids) if i is None else i)
+            if i is not None:
+                top = dict(ref.logprobs[i].top)
+                assert got.token_ids[i] in top, (kv, i, top)  # a candidate the bf16 run weighed
+                gaps.append(top[ref.token_ids[i]] - top[got.token_ids[i]])
+        report[kv] = {"leading": leading, "largest_gap": max(gaps, default=0.0)}
+        assert max(gaps, default=0.0) <= FLIP_GAP, report
+        assert sum(leading) >= MIN_AGREEMENT, report
+    print(json.dumps(report))
 
 
 def test_cli_generate_and_serve_take_the_kv_cache_dtype(tiny_checkpoints, capsys, tmp_path):

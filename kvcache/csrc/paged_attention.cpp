@@ -8,8 +8,9 @@
 // The cache may hold 8-bit floats (e4m3 or e5m2) with one power-of-two scale per layer for K and
 // one for V: K's scale folds into the query scale, V's into the output, so the loops only widen.
 //
-// Vectors are GCC vector extensions of 16 floats: AVX-512 registers where the CPU has them,
-// pairs of AVX2 registers elsewhere (the build passes -march=native).
+// Vectors are GCC vector extensions of W floats, one register of the ISA the library is built
+// for: 16 with AVX-512, 8 with AVX2, 4 for the portable build (SSE2 or NEON). Each ISA gets its
+// own library (models/native.py), chosen from the CPU's features at run time.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -35,7 +36,13 @@
 
 namespace {
 
+#if defined(__AVX512F__)
 constexpr int W = 16;  // floats per vector; keys are taken W at a time
+#elif defined(__AVX2__)
+constexpr int W = 8;  // NOTE: one register per vector: a wider W spills the tile loops' accumulators
+#else
+constexpr int W = 4;
+#endif
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
@@ -44,8 +51,10 @@ typedef uint8_t vb __attribute__((vector_size(W * sizeof(uint8_t))));
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int MAX_TILE_ROWS = 32;  // query rows (tokens x group heads) per work item
-constexpr int MAX_NV = 16;  // head_dim up to 256
+constexpr int HEAD_DIM_STEP = 16;  // head_dim is padded up to a multiple of this (zero lanes)
+constexpr int MAX_HEAD_DIM_STEPS = 16;  // head_dim up to 256
 constexpr int PREFETCH_KEYS = 16;  // how far ahead (in keys) K/V rows are prefetched
+constexpr int DECODE_KEYS = 16;  // keys per softmax step of a decode (a multiple of W)
 
 inline vf splat(float x) { return vf{} + x; }
 
@@ -58,7 +67,7 @@ inline vf load(const float* p) {
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 // Lane shuffles. fold<h>(x, y): x and y each hold W / (2h) slots of 2h lanes; the result holds
-// x's slots then y's, each summed down to h lanes. Four folds turn W vectors of per-key
+// x's slots then y's, each summed down to h lanes. log2(W) folds turn W vectors of per-key
 // partial dot products into one vector of W dot products, in key order.
 constexpr int fold_index(int h, int upper, int l) {
   const int slots = W / (2 * h), s = l / h;
@@ -78,13 +87,25 @@ inline vf fold(vf x, vf y) {
   return fold_impl<H>(x, y, std::make_integer_sequence<int, W>{});
 }
 
-// part[t] (t < W) -> one vector whose lane t is the sum of part[t]'s lanes.
-inline vf reduce_lanes(vf* part) {
-  for (int i = 0; i < 8; ++i) part[i] = fold<8>(part[2 * i], part[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) part[i] = fold<4>(part[2 * i], part[2 * i + 1]);
-  for (int i = 0; i < 2; ++i) part[i] = fold<2>(part[2 * i], part[2 * i + 1]);
-  return fold<1>(part[0], part[1]);
+// part[0 .. 2H) -> part[0 .. H), then on down to one vector.
+template <int H>
+inline vf reduce_from(vf* part) {
+  for (int i = 0; i < H; ++i) part[i] = fold<H>(part[2 * i], part[2 * i + 1]);
+  if constexpr (H == 1) {
+    return part[0];
+  } else {
+    return reduce_from<H / 2>(part);
+  }
 }
+
+// part[t] (t < W) -> one vector whose lane t is the sum of part[t]'s lanes.
+inline vf reduce_lanes(vf* part) { return reduce_from<W / 2>(part); }
+
+template <int... I>
+constexpr vi iota(std::integer_sequence<int, I...>) {
+  return vi{I...};
+}
+constexpr vi LANES = iota(std::make_integer_sequence<int, W>{});
 
 // Butterfly over lanes: every lane ends up holding op over all lanes.
 template <int S, int... I>
@@ -96,22 +117,24 @@ inline vf swap_lanes(vf x, std::integer_sequence<int, I...>) {
 template <int S>
 inline vf swapped(vf x) { return swap_lanes<S>(x, std::make_integer_sequence<int, W>{}); }
 
+template <int S = W / 2>
 inline float hsum(vf v) {
-  v += swapped<8>(v);
-  v += swapped<4>(v);
-  v += swapped<2>(v);
-  v += swapped<1>(v);
-  return v[0];
+  if constexpr (S == 0) {
+    return v[0];
+  } else {
+    return hsum<S / 2>(v + swapped<S>(v));
+  }
 }
 
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
+template <int S = W / 2>
 inline float hmax(vf v) {
-  v = vmax(v, swapped<8>(v));
-  v = vmax(v, swapped<4>(v));
-  v = vmax(v, swapped<2>(v));
-  v = vmax(v, swapped<1>(v));
-  return v[0];
+  if constexpr (S == 0) {
+    return v[0];
+  } else {
+    return hmax<S / 2>(vmax(v, swapped<S>(v)));
+  }
 }
 
 // exp for x <= 0 (softmax arguments), ~1 ulp: 2^n * p(r) with |r| <= ln2 / 2.
@@ -330,6 +353,16 @@ inline void load_chunk(const C* k_cache, const C* v_cache, const SeqView& s, int
   }
 }
 
+// An fp32 pool's row as the math reads it (only called for an fp32 pool).
+template <typename X>
+inline const float* fp32_row(const X* row) {
+  if constexpr (std::is_same_v<X, float>) {
+    return row;
+  } else {
+    return nullptr;
+  }
+}
+
 // Whether q.k can be taken on bf16 pairs directly (vdpbf16ps): bf16 queries and storage, an
 // AVX512-BF16 CPU, and head_dim a multiple of 2W, so rows load as whole vectors of 2W bf16.
 template <typename T, typename C, int NV>
@@ -344,11 +377,14 @@ inline __m512bh load_bf16_pairs(const void* p) { return (__m512bh)_mm512_loadu_s
 // A decode: one query token, KV heads [first, first + num), each head's group of query heads
 // as rows. Per chunk of W keys, a head's K/V rows are converted once; each row's W dot products
 // come out of one lane reduction. Taking all heads of a sequence in one item reads each block
-// whole, in address order. NV = head_dim / W rounded up (padding lanes are zero).
+// whole, in address order. NV * W = head_dim rounded up to HEAD_DIM_STEP (padding lanes are zero).
 template <typename T, typename C, int NV>
 void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, const C* k_cache, const C* v_cache,
                    const Layout& L, float scale, float v_scale) {
   constexpr int Dp = NV * W;
+  // NOTE: keys per chunk: 16 at every width, so the per-row softmax step (max, exp, the
+  // accumulator's rescale) is paid once per 16 keys, not once per vector of scores
+  constexpr int CH = DECODE_KEYS / W, KC = DECODE_KEYS;
   const int group = int(L.num_heads / L.num_kv_heads);
   const int rows = w.num_heads * group;
   const int64_t num_keys = sv.seq_len;
@@ -356,9 +392,9 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
 
   alignas(64) float qf[MAX_TILE_ROWS * Dp];
   alignas(64) float acc[MAX_TILE_ROWS * Dp];
-  alignas(64) float kf[W * Dp];
-  alignas(64) float vfb[W * Dp];
-  alignas(64) float pf[W];
+  alignas(64) float kf[KC * Dp];
+  alignas(64) float vfb[KC * Dp];
+  alignas(64) float pf[KC];
   float mrow[MAX_TILE_ROWS], lrow[MAX_TILE_ROWS];
 
   const int64_t first_qhead = int64_t(w.first_head) * group;  // row r is query head first_qhead + r
@@ -370,80 +406,102 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
   std::fill(acc, acc + rows * Dp, 0.f);
   std::fill(mrow, mrow + rows, NEG_INF);
   std::fill(lrow, lrow + rows, 0.f);
-  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   vf part[W];
   using K = KRow<T, C>;
-  const K* k_rows[W];
+  const K* k_rows[KC];
   const bool bf16_path = bf16_dot<T, K, NV>() && L.head_dim == Dp;  // else q.k on fp32 copies
 
   // NOTE: a chunk's K and V rows for all the item's heads (adjacent in a row) are first copied
   // out in address order: one sequential read per block, which DRAM streams 2-3x faster than
-  // the strided per-head reads the math would make; the math then reads the L1-resident copy
+  // the strided per-head reads the math would make; the math then reads the L1-resident copy.
+  // An fp32 pool (head_dim a whole number of vectors) is read where it lies instead: the rows
+  // are what the math reads, a whole-rows item still reads each block in order, and the two
+  // copies cost more than the math.
+  const bool in_place = std::is_same_v<C, float> && L.head_dim == Dp;
   const int64_t span = w.num_heads * L.head_dim;
   thread_local std::vector<K> k_stage;
   thread_local std::vector<C> v_stage;
-  k_stage.resize(size_t(W * span));
-  v_stage.resize(size_t(W * span));
+  k_stage.resize(size_t(KC * span));
+  v_stage.resize(size_t(KC * span));
   K* ks = k_stage.data();
   C* vs = v_stage.data();
-  for (int64_t key0 = 0; key0 < num_keys; key0 += W) {
-    const int nk = int(std::min<int64_t>(W, num_keys - key0));
+  const float* kr[KC];  // the fp32 K and V rows of the chunk's keys, for the current head
+  const float* vr[KC];
+  int64_t offs[KC];
+  for (int64_t key0 = 0; key0 < num_keys; key0 += KC) {
+    const int nk = int(std::min<int64_t>(KC, num_keys - key0));
     for (int t = 0; t < nk; ++t) {
       if (key0 + t + PREFETCH_KEYS < num_keys) {
         prefetch_keys(k_cache, v_cache, sv, key0 + t + PREFETCH_KEYS, 1, w.first_head, span * int64_t(sizeof(C)), L);
       }
-      const int64_t off = kv_offset(sv, key0 + t, w.first_head, L);
-      copy_k(k_cache + off, ks + t * span, span);
-      std::memcpy(vs + t * span, v_cache + off, span * sizeof(C));
+      offs[t] = kv_offset(sv, key0 + t, w.first_head, L);
+      if (in_place) continue;
+      copy_k(k_cache + offs[t], ks + t * span, span);
+      std::memcpy(vs + t * span, v_cache + offs[t], span * sizeof(C));
     }
     for (int hh = 0; hh < w.num_heads; ++hh) {
       for (int t = 0; t < nk; ++t) {
+        if (in_place) {
+          kr[t] = fp32_row(k_cache + offs[t] + hh * L.head_dim);
+          vr[t] = fp32_row(v_cache + offs[t] + hh * L.head_dim);
+          continue;
+        }
         k_rows[t] = ks + t * span + hh * L.head_dim;
         if (!bf16_path) to_float<K, NV>(k_rows[t], kf + t * Dp, int(L.head_dim));
         to_float<C, NV>(vs + t * span + hh * L.head_dim, vfb + t * Dp, int(L.head_dim));
+        kr[t] = kf + t * Dp;
+        vr[t] = vfb + t * Dp;
       }
       for (int r = hh * group; r < (hh + 1) * group; ++r) {
-        for (int t = nk; t < W; ++t) part[t] = vf{};
-        if constexpr (bf16_dot<T, K, NV>()) {
+        vf s[CH];  // the chunk's scores, W keys per vector
+        for (int c = 0; c < CH; ++c) {
+          const int t0 = c * W, nc = std::clamp(nk - t0, 0, W);
+          for (int t = nc; t < W; ++t) part[t] = vf{};
+          if constexpr (bf16_dot<T, K, NV>()) {
 #if ATTNSERVE_BF16_DOT
-          if (bf16_path) {
-            const T* qr = q + token * L.q_stride_t + (first_qhead + r) * L.q_stride_h;
-            __m512bh qv[NV / 2];
-            for (int j = 0; j < NV / 2; ++j) qv[j] = load_bf16_pairs(qr + j * 2 * W);
-            for (int t = 0; t < nk; ++t) {
-              __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], load_bf16_pairs(k_rows[t]));
-              for (int j = 1; j < NV / 2; ++j) d = _mm512_dpbf16_ps(d, qv[j], load_bf16_pairs(k_rows[t] + j * 2 * W));
+            if (bf16_path) {
+              const T* qr = q + token * L.q_stride_t + (first_qhead + r) * L.q_stride_h;
+              __m512bh qv[NV / 2];
+              for (int j = 0; j < NV / 2; ++j) qv[j] = load_bf16_pairs(qr + j * 2 * W);
+              for (int t = 0; t < nc; ++t) {
+                __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], load_bf16_pairs(k_rows[t0 + t]));
+                for (int j = 1; j < NV / 2; ++j)
+                  d = _mm512_dpbf16_ps(d, qv[j], load_bf16_pairs(k_rows[t0 + t] + j * 2 * W));
+                part[t] = d;
+              }
+            }
+#endif
+          }
+          if (!bf16_path) {
+            const float* qr = qf + r * Dp;
+            vf qv[NV];
+            for (int j = 0; j < NV; ++j) qv[j] = load(qr + j * W);
+            for (int t = 0; t < nc; ++t) {
+              vf d = qv[0] * load(kr[t0 + t]);
+              for (int j = 1; j < NV; ++j) d += qv[j] * load(kr[t0 + t] + j * W);
               part[t] = d;
             }
           }
-#endif
+          s[c] = (LANES + t0) < nk ? reduce_lanes(part) * (bf16_path ? scale : 1.f) : splat(NEG_INF);
         }
-        if (!bf16_path) {
-          const float* qr = qf + r * Dp;
-          vf qv[NV];
-          for (int j = 0; j < NV; ++j) qv[j] = load(qr + j * W);
-          for (int t = 0; t < nk; ++t) {
-            const float* kr = kf + t * Dp;
-            vf d = qv[0] * load(kr);
-            for (int j = 1; j < NV; ++j) d += qv[j] * load(kr + j * W);
-            part[t] = d;
-          }
+        vf smax = s[0];
+        for (int c = 1; c < CH; ++c) smax = vmax(smax, s[c]);
+        const float m_old = mrow[r], m_new = std::max(m_old, hmax(smax));
+        const float correction = m_old == NEG_INF ? 0.f : exp_neg(splat(m_old - m_new))[0];
+        vf psum = vf{};
+        for (int c = 0; c < CH; ++c) {
+          const vf p = (LANES + c * W) < nk ? exp_neg(s[c] - m_new) : vf{};
+          store(pf + c * W, p);
+          psum += p;
         }
-        const auto valid = lane < nk;
-        const vf s = valid ? reduce_lanes(part) * (bf16_path ? scale : 1.f) : splat(NEG_INF);
-        const float m_old = mrow[r], m_new = std::max(m_old, hmax(s));
-        const float correction = m_old == NEG_INF ? 0.f : std::exp(m_old - m_new);
-        const vf p = valid ? exp_neg(s - m_new) : vf{};
-        store(pf, p);
         mrow[r] = m_new;
-        lrow[r] = lrow[r] * correction + hsum(p);
+        lrow[r] = lrow[r] * correction + hsum(psum);
         float* a = acc + r * Dp;
         vf av[NV];
         for (int j = 0; j < NV; ++j) av[j] = load(a + j * W) * correction;
         for (int t = 0; t < nk; ++t) {
           const float pt = pf[t];
-          const float* vr = vfb + t * Dp;
-          for (int j = 0; j < NV; ++j) av[j] += load(vr + j * W) * pt;
+          for (int j = 0; j < NV; ++j) av[j] += load(vr[t] + j * W) * pt;
         }
         for (int j = 0; j < NV; ++j) store(a + j * W, av[j]);
       }
@@ -464,7 +522,8 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
 template <typename T, typename C, int NV>
 void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const C* k_cache, const C* v_cache,
                  const Layout& L, float scale, float v_scale) {
-  constexpr int Dp = NV * W, DB = 8;  // DB: accumulator vectors kept in registers at a time
+  // DB: accumulator vectors kept in registers at a time, beside the chunk's W score vectors
+  constexpr int Dp = NV * W, DB = W == 8 ? 4 : 8;
   static_assert(Dp % DB == 0);
   const int group = int(L.num_heads / L.num_kv_heads);
   const int D = int(L.head_dim);
@@ -625,16 +684,17 @@ void attend_all(const T* q, T* out, const C* kc, const C* vc, const std::vector<
   }
 }
 
-template <typename T, typename C, int... NV>
-void dispatch_head_dim(int nv, std::integer_sequence<int, NV...>, const at::Tensor& q, at::Tensor& out,
+// S + 1 = head_dim / HEAD_DIM_STEP, rounded up: one instantiation per padded head_dim.
+template <typename T, typename C, int... S>
+void dispatch_head_dim(int steps, std::integer_sequence<int, S...>, const at::Tensor& q, at::Tensor& out,
                        const at::Tensor& k_cache, const at::Tensor& v_cache, const std::vector<WorkItem>& items,
                        const int32_t* tables, const int32_t* lens, const int32_t* starts, const Layout& L,
                        float scale, float v_scale) {
   const C* kc = static_cast<const C*>(k_cache.data_ptr());
   const C* vc = static_cast<const C*>(v_cache.data_ptr());
-  ((nv == NV + 1 ? attend_all<T, C, NV + 1>(q.data_ptr<T>(), out.data_ptr<T>(), kc, vc, items, tables, lens, starts,
-                                            L, scale, v_scale)
-                 : void()), ...);
+  ((steps == S + 1 ? attend_all<T, C, (S + 1) * HEAD_DIM_STEP / W>(q.data_ptr<T>(), out.data_ptr<T>(), kc, vc, items,
+                                                                  tables, lens, starts, L, scale, v_scale)
+                    : void()), ...);
 }
 
 // n 8-bit values -> n values of T (exact: bf16 and fp32 hold every e4m3 / e5m2 value).
@@ -656,19 +716,19 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
          const int32_t* tables, int64_t num_seqs, const int32_t* lens, const int32_t* starts, const Layout& L,
          float scale, float k_scale, float v_scale) {
   write_cache<T, C>(k, v, k_cache, v_cache, slot_mapping.data_ptr<int64_t>(), L, 1.f / k_scale, 1.f / v_scale);
-  const int nv = int((L.head_dim + W - 1) / W);
-  constexpr auto nvs = std::make_integer_sequence<int, MAX_NV>{};
+  const int steps = int((L.head_dim + HEAD_DIM_STEP - 1) / HEAD_DIM_STEP);
+  constexpr auto all_steps = std::make_integer_sequence<int, MAX_HEAD_DIM_STEPS>{};
   // NOTE: K's scale multiplies every score, so it folds into the query scale; V's into the output
   const float qk_scale = scale * k_scale;
   if constexpr (std::is_same_v<T, C>) {
-    dispatch_head_dim<T, C>(nv, nvs, q, out, k_cache, v_cache, items, tables, lens, starts, L, qk_scale, v_scale);
+    dispatch_head_dim<T, C>(steps, all_steps, q, out, k_cache, v_cache, items, tables, lens, starts, L, qk_scale, v_scale);
   } else {
     // NOTE: every query tile of a prompt reads all its keys, so an 8-bit pool's prompt blocks are
     // widened once, into a pool of q's dtype of their own (exact), instead of once per tile.
     // Decodes read each key once: they widen in place.
     std::vector<WorkItem> decodes, prompts;
     for (const WorkItem& w : items) (starts[w.seq + 1] - starts[w.seq] == 1 ? decodes : prompts).push_back(w);
-    dispatch_head_dim<T, C>(nv, nvs, q, out, k_cache, v_cache, decodes, tables, lens, starts, L, qk_scale, v_scale);
+    dispatch_head_dim<T, C>(steps, all_steps, q, out, k_cache, v_cache, decodes, tables, lens, starts, L, qk_scale, v_scale);
     if (prompts.empty()) return;
     std::vector<int32_t> wide_tables(tables, tables + num_seqs * L.table_stride);
     std::vector<int32_t> sources;  // wide block b holds pool block sources[b]
@@ -693,7 +753,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
         widen(vc + sources[b] * block, wv + b * block, block);
       }
     });
-    dispatch_head_dim<T, T>(nv, nvs, q, out, wide_k, wide_v, prompts, wide_tables.data(), lens, starts, L, qk_scale,
+    dispatch_head_dim<T, T>(steps, all_steps, q, out, wide_k, wide_v, prompts, wide_tables.data(), lens, starts, L, qk_scale,
                             v_scale);
   }
 }
@@ -747,7 +807,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0)};
   TORCH_CHECK(k_cache.size(3) == L.head_dim && k.size(1) == L.num_kv_heads && L.num_heads % L.num_kv_heads == 0,
               "head shapes disagree");
-  TORCH_CHECK(L.head_dim <= MAX_NV * W, "head_dim above ", MAX_NV * W);
+  TORCH_CHECK(L.head_dim <= MAX_HEAD_DIM_STEPS * HEAD_DIM_STEP, "head_dim above ", MAX_HEAD_DIM_STEPS * HEAD_DIM_STEP);
   const int group = int(L.num_heads / L.num_kv_heads);
   TORCH_CHECK(group <= MAX_TILE_ROWS, "more than ", MAX_TILE_ROWS, " query heads per KV head");
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && slot_mapping.size(0) == q.size(0),

@@ -3,17 +3,20 @@
 One graph with dynamic sizes serves every step (any token count, any number of sequences,
 any block-table width): duck sizing and 0/1 specialisation are off, so batch-1 decode and a
 1024-token prefill share it. Paged attention and packed linears are opaque custom ops inside
-it. Compiled artifacts go to the attnserve cache (`inductor/`), so a restart loads them
-instead of compiling again; the engine warms the graph up while it starts, never during a
-request.
+it. Compiled artifacts go to the attnserve cache (`inductor/<level>-<torch's capability>-<CPU
+flags hash>/`), so a restart loads them instead of compiling again, and a cache shared with
+another kind of CPU never hands this one code it cannot run; the engine warms the graph up while
+it starts, never during a request.
 """
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from models.cpu_features import apply_isa_cap, capped_march, choose_isa, read_cpu_features
 from models.registry import cache_dir
 
 RECOMPILE_LIMIT = 64  # one process may compile several models (tests do); each is one entry
@@ -26,16 +29,34 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def inductor_cache_dir() -> Path:
+    """Where this CPU's compiled steps live: named by the ISA level chosen, the level torch's own
+    kernels run at, and the CPU's flags.
+
+    NOTE: measured: inductor's cache keys miss torch's own capability. A process whose torch
+    started before ATTNSERVE_CPU_ISA could cap it, sharing a directory with capped processes,
+    loaded their artifacts and produced garbage (or a double free), and vice versa."""
+    features = read_cpu_features()
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    return cache_dir() / "inductor" / f"{choose_isa(features)}-{capability}-{features.key}"
+
+
 def compile_model(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     # NOTE: inductor fills in its /tmp default on first use (loading an HF model does), so only
     # a directory someone chose on purpose is kept
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
     import torch.fx.experimental._config as fx_config
+
+    # NOTE: below the CPU's own level, generated code must not use what the cap takes away: its
+    # vector ISA follows ATEN_CPU_CAPABILITY (read here, even where torch's kernels started uncapped)
+    apply_isa_cap()
+    features = read_cpu_features()
+    inductor_config.cpp.march = capped_march(choose_isa(features), features)
 
     # NOTE: process-wide flags; they shape only how our model's graph is specialised
     fx_config.use_duck_shape = False  # sizes that happen to be equal must not be assumed equal
@@ -48,12 +69,14 @@ def compile_model(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
 
 
 # Guards that re-check the module tree's structure on every call: its hooks dicts stay empty and
-# its attributes keep their types. Shape, dtype and value guards (parameters, config constants
-# such as eps or head counts) stay, so a different model never reuses another's graph.
+# its attributes keep their types; and every input's "marked dynamic" dims, which nothing here
+# marks after compiling. Shape, dtype and value guards (parameters, config constants such as eps
+# or head counts) stay, so a different model never reuses another's graph.
 _STRUCTURE_GUARDS = frozenset({"EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT", "TYPE_MATCH"})
 
 
 def _skip_module_structure_guards(entries) -> list[bool]:
-    return [not (e.orig_guard.source.is_unspecialized_nn_module() and e.guard_type in _STRUCTURE_GUARDS)
+    return [not ((e.orig_guard.source.is_unspecialized_nn_module() and e.guard_type in _STRUCTURE_GUARDS)
+                 or e.guard_type == "DIMENSION_DYNAMIC_MARKING_GUARD")
             for e in entries]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from models.cpu_path import DTYPES
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
 
@@ -26,7 +28,7 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype; f
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: the checkpoint's where this CPU computes it natively (models/cpu_path.py)
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str | None = "1GiB"  # ignored when num_blocks is given
@@ -60,8 +62,8 @@ class EngineConfig:
             raise ValueError("max_waiting must be >= 0")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError("num_threads must be positive")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError("dtype must be float32 or bfloat16")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         # NOTE: on CUDA, attention reads the pool with Flash's paged kernel, whose pages are 256 tokens

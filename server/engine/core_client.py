@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import AsyncIterator, Callable, Sequence
 
+from models.cpu_features import apply_isa_cap
 from server.engine.config import EngineConfig
 from server.engine.errors import EngineDeadError, QueueFullError
 from server.engine.sampling_params import SamplingParams
@@ -34,8 +36,10 @@ class EngineCoreClient:
         self.config = config
         self.on_outputs = on_outputs  # called on the reader thread, before outputs reach their streams
         ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        apply_isa_cap(env)  # NOTE: the engine process imports torch first thing: the cap must be in its env
         self.process = subprocess.Popen([sys.executable, "-m", "server.engine.core", str(theirs.fileno())],
-                                        pass_fds=(theirs.fileno(),))
+                                        pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
         self.conn = Connection(ours.detach())
         self.conn.send(config)

@@ -13,8 +13,8 @@ from typing import Any, Sequence
 from kvcache.manager import KVCacheManager
 from kvcache.quant import dtype_name, kv_cache_dtype, scales_for
 from kvcache.storage import KVCacheSpec, PagedKVCache
-from models.cpu_linear import pack_linears
-from models.loader import load_model, load_tokenizer, parse_dtype
+from models.cpu_path import detect, prepare
+from models.loader import load_for_serving, load_tokenizer
 from models.registry import resolve_model
 from models.transformer import DecoderLM
 from server.engine.admission import validate_request
@@ -51,9 +51,15 @@ class LLMEngine:
         self.config = config
         if model is None:
             path = resolve_model(config.model)
-            model = load_model(path, parse_dtype(config.dtype), config.device)
+            model = load_for_serving(path, config.dtype, config.device)
             tokenizer = tokenizer or load_tokenizer(path)
-        pack_linears(model)
+        else:  # a model the caller loaded: its dtype is the one asked for
+            dtype = dtype_name(model.dtype)
+            prepare(model, detect(config.device), dtype, dtype, config.device)
+        self.cpu_path = model.cpu_path
+        # NOTE: one line says what this machine runs; at warning level when a slower choice was asked for
+        logger.log(logging.WARNING if self.cpu_path.note else logging.INFO, "attnserve engine: %s",
+                   self.cpu_path.describe())
         self.model, self.tokenizer = model, tokenizer
         cfg = model.config
         self.model_config = cfg
@@ -71,7 +77,8 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.info = ModelInfo(self.max_model_len, cfg.attention_kind, cfg.num_kv_heads, self.kv_spec.bytes_per_token,
-                              cfg.vocab_size, config.block_size, num_blocks, cfg.num_heads, dtype_name(kv_dtype))
+                              cfg.vocab_size, config.block_size, num_blocks, cfg.num_heads, dtype_name(kv_dtype),
+                              self.cpu_path)
         self.groups: dict[str, list[Request]] = {}
         self.num_steps = 0
         self.num_step_errors = 0

@@ -1,0 +1,110 @@
+"""The linear paths models/cpu_path.py chooses between, measured on this CPU (and level).
+
+    python loadtests/bench_linear.py                          # this CPU
+    ATTNSERVE_CPU_ISA=avx2 python loadtests/bench_linear.py   # as on an AVX2-only CPU
+
+For the default model's linear shapes (qkv 576->960, o 576->576, gate/up 576->3072, down
+1536->576, all 30 layers, then the 576->49152 LM head) it times one pass over every weight, as a
+step does, at several token counts M, for each candidate this CPU runs:
+
+  fp32 F.linear      fp32 weights, torch's matmul (MKL)
+  fp32 oneDNN        fp32 weights reordered for oneDNN (the `onednn` path in fp32)
+  bf16 F.linear      bf16 weights and activations, torch's matmul
+  bf16 oneDNN        bf16 weights reordered for oneDNN (`onednn` in bf16; refused below AVX-512)
+  panels fp32        bf16 weights in panels, widened in registers; fp32 activations (`panels`)
+  panels bf16        the same panels, bf16 activations: bf16 pair dot products on AVX512-BF16
+                     builds, widened to fp32 elsewhere (`panels` in bf16)
+
+and prints GFLOP/s, and the milliseconds of one pass at the smallest M (a batch-1 decode step's
+linears). Medians of --repeats.
+A benchmark, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from models.cpu_features import apply_isa_cap  # noqa: E402
+
+ISA = apply_isa_cap()  # NOTE: before torch
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from models.cpu_linear import onednn_packs, panel_library  # noqa: E402
+
+LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+SHAPES = LAYER * 30 + [(49152, 576)]
+
+
+def candidates(weights: list[torch.Tensor]) -> dict:
+    """name -> (activation dtype, one call per weight)."""
+    out = {}
+    fp32 = [w.float() for w in weights]
+    out["fp32 F.linear"] = (torch.float32, [lambda x, w=w: F.linear(x, w) for w in fp32])
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in fp32]
+    out["fp32 oneDNN"] = (torch.float32, [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                                          for p in packed])
+    out["bf16 F.linear"] = (torch.bfloat16, [lambda x, w=w: F.linear(x, w) for w in weights])
+    if onednn_packs(torch.bfloat16):
+        packed16 = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+        out["bf16 oneDNN"] = (torch.bfloat16, [
+            lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed16])
+    panel_library()
+    panels = [torch.ops.attnserve.pack_panels(w) for w in weights]
+    calls = [lambda x, p=p, n=w.shape[0]: torch.ops.attnserve.panel_linear(x, p, None, n) for p, w in zip(panels, weights)]
+    out["panels fp32"] = (torch.float32, calls)
+    out["panels bf16"] = (torch.bfloat16, calls)
+    return out
+
+
+def time_pass(calls, inputs, repeats: int) -> float:
+    def one():
+        for call, x in zip(calls, inputs):
+            call(x)
+    one()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        one()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1,8,32,512", help="token counts M")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--slow-limit", type=float, default=20.0, help="skip a candidate at larger M once one pass takes this many s")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g).bfloat16() for n, k in SHAPES]
+    flops_per_token = 2 * sum(n * k for n, k in SHAPES)
+    weight_bytes = sum(n * k for n, k in SHAPES) * 2
+    print(f"isa={ISA} torch capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads; "
+          f"one pass = {len(SHAPES)} linears, {weight_bytes / 1e6:.0f} MB of bf16 weights")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    print(f"{'path':<15}" + "".join(f"{f'M={m} GFLOP/s':>16}" for m in tokens) + f"{f'M={tokens[0]} ms/pass':>16}")
+    for name, (dtype, calls) in candidates(weights).items():
+        row, slow, first = f"{name:<15}", False, None
+        for m in tokens:
+            if slow:
+                row += f"{'-':>16}"
+                continue
+            inputs = [torch.randn(m, k, generator=g).to(dtype) for _, k in SHAPES]
+            seconds = time_pass(calls, inputs, args.repeats)
+            slow = seconds > args.slow_limit / args.repeats
+            row += f"{flops_per_token * m / seconds / 1e9:>16.1f}"
+            first = seconds if first is None else first
+        print(row + f"{first * 1e3:>16.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

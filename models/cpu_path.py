@@ -1,0 +1,145 @@
+"""The one place that decides how an engine computes on this CPU, once, at start.
+
+`choose_cpu_path` is a pure function of what the machine can do (`CpuCapabilities`: the ISA
+level, what oneDNN packs, whether our C++ kernels built) and what was asked for; `detect`
+gathers those facts here. The choices, measured on an AVX2-only and an AVX512-BF16 CPU
+(docs/benchmarks.md, "Choosing the CPU path"):
+
+* dtype `auto`: bf16 where the CPU has bf16 arithmetic (AVX512-BF16) and the checkpoint is 16-bit;
+  float32 otherwise (where bf16 matmul is emulated: several times slower than fp32).
+* linears: bf16 weights in our panels (`panels`, models/csrc/linear.cpp) wherever the weights are
+  bf16 values: bf16 pair dot products where the CPU has them (faster than oneDNN's bf16 at decode,
+  equal at prefill), else widened to fp32 in registers (as fast as oneDNN's fp32 at prefill, half
+  the bytes at decode); oneDNN's packed kernels otherwise (fp32 weights, or no C++ compiler).
+* attention: the C++ paged kernel built for the ISA level, else gather + SDPA.
+
+No torch at import: `/v1/models` and the wire carry a `CpuPath`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class CpuCapabilities:
+    isa: str  # models.cpu_features.ISA_LEVELS
+    onednn_dtypes: frozenset[str]  # dtypes oneDNN packs linear weights of, here
+    panel_kernel: bool  # our panel-linear library built and loaded
+    attention: str = "sdpa"  # kvcache.ops.CPU_BACKEND: native-<isa> (our kernel) or sdpa
+
+    @property
+    def bf16_native(self) -> bool:
+        """bf16 matmuls run in hardware (AVX512-BF16), not emulated."""
+        return self.isa == "avx512_bf16" and "bfloat16" in self.onednn_dtypes
+
+
+@dataclass(frozen=True)
+class CpuPath:
+    device: str
+    isa: str
+    dtype: str  # compute: activations, norms, attention, the KV cache's default
+    weight_dtype: str  # the linears' weights as stored
+    linear: str  # models.cpu_linear.LINEAR_PATHS, or "torch" off the CPU
+    attention: str  # native-<isa> | sdpa | cuda
+    num_threads: int
+    note: str = ""  # why a slower choice was honoured
+
+    def describe(self) -> str:
+        text = (f"device={self.device} isa={self.isa} dtype={self.dtype} weights={self.weight_dtype} "
+                f"linear={self.linear} attention={self.attention} threads={self.num_threads}")
+        return f"{text} ({self.note})" if self.note else text
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_dtype(caps: CpuCapabilities, requested: str, checkpoint_dtype: str, device: str = "cpu") -> str:
+    """`auto` -> the checkpoint's dtype where it computes natively here, else float32."""
+    if requested not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
+    if requested != "auto":
+        return requested
+    if checkpoint_dtype == "float32":
+        return "float32"
+    return "bfloat16" if device != "cpu" or caps.bf16_native else "float32"
+
+
+def choose_cpu_path(caps: CpuCapabilities, requested: str, checkpoint_dtype: str, weights_fit_bf16: bool,
+                    num_threads: int, device: str = "cpu") -> CpuPath:
+    """What to run. `weights_fit_bf16`: every linear weight is exactly a bf16 value (a bf16 checkpoint)."""
+    dtype = resolve_dtype(caps, requested, checkpoint_dtype, device)
+    if device != "cpu":
+        return CpuPath(device, caps.isa, dtype, dtype, "torch", "cuda", num_threads)
+    note = ""
+    if dtype == "bfloat16" and caps.bf16_native:
+        linear = "panels" if caps.panel_kernel else "onednn"
+    elif dtype == "bfloat16":
+        note = f"bfloat16 asked for on a CPU without bf16 arithmetic ({caps.isa}): slower than float32 here"
+        linear = "panels" if caps.panel_kernel else "torch"
+    # NOTE: panel weights are bf16: exact only where they were bf16 values to begin with
+    elif weights_fit_bf16 and caps.panel_kernel:
+        linear = "panels"
+    else:
+        linear = "onednn" if "float32" in caps.onednn_dtypes else "torch"
+    weight_dtype = "bfloat16" if linear == "panels" else dtype
+    return CpuPath(device, caps.isa, dtype, weight_dtype, linear, caps.attention, num_threads, note)
+
+
+def detect(device: str = "cpu") -> CpuCapabilities:
+    """This process's capabilities: the ISA level, oneDNN's probe, our kernels' build."""
+    import torch
+
+    from kvcache import ops
+    from models.cpu_features import read_cpu_features, choose_isa
+    from models.cpu_linear import onednn_packs, panel_library
+
+    isa = choose_isa(read_cpu_features())
+    if device != "cpu":
+        return CpuCapabilities(isa, frozenset(), False, "cuda")
+    panels = False
+    if ops.CPU_BACKEND != "sdpa":  # NOTE: ATTNSERVE_NATIVE=0 or no compiler: no C++ kernel at all
+        try:
+            panel_library()
+            panels = True
+        except Exception as e:  # noqa: BLE001 - a library that does not build is a path not taken
+            logger.warning("the panel-linear kernel is unavailable (%s)", str(e).splitlines()[0])
+    onednn = frozenset(name for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
+                       if onednn_packs(dt))
+    return CpuCapabilities(isa, onednn, panels, ops.CPU_BACKEND)
+
+
+def prepare(model, caps: CpuCapabilities, requested: str, checkpoint_dtype: str, device: str = "cpu") -> CpuPath:
+    """Choose the model's path and swap its linears in; a model is prepared once (`model.cpu_path`)."""
+    import torch
+    from torch import nn
+
+    from models.cpu_linear import pack_linears
+
+    if model.cpu_path is not None:
+        return model.cpu_path
+    dtype = resolve_dtype(caps, requested, checkpoint_dtype, device)
+    # NOTE: checked only where it can matter: a float32 model on a machine with the panel kernel
+    fits = dtype == "float32" and caps.panel_kernel and fits_bf16(
+        m.weight for m in model.modules() if isinstance(m, nn.Linear))
+    path = choose_cpu_path(caps, requested, checkpoint_dtype, fits, torch.get_num_threads(), device)
+    if path.dtype != str(model.dtype).removeprefix("torch."):
+        raise ValueError(f"the model is {model.dtype}, its path computes in {path.dtype}")
+    if device == "cpu":
+        pack_linears(model, path.linear)
+    model.cpu_path = path
+    return path
+
+
+def fits_bf16(weights) -> bool:
+    """Whether every tensor holds only bf16 values (then storing it as bf16 loses nothing)."""
+    import torch
+
+    for w in weights:
+        if w.dtype != torch.bfloat16 and not torch.equal(w.to(torch.bfloat16).to(w.dtype), w):
+            return False
+    return True

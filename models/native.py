@@ -1,0 +1,117 @@
+"""Builds and loads attnserve's C++ CPU kernels: one library per source and ISA level.
+
+Each library is compiled for an explicit level (never `-march=native`), and its file name
+carries the level and a hash of everything else that shapes it (source, flags, torch, compiler,
+Python): a cache directory shared between machines (an NFS home, a container image built
+elsewhere) never hands a CPU code with instructions it lacks, because the level is chosen from
+the CPU's own features at run time (models/cpu_features.py). `make install` builds this
+machine's libraries ahead of time (`python -m models.native`; `--all` builds every level, for an
+image that runs on other machines); otherwise the first use does, never a request.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+
+from models.cpu_features import read_cpu_features, choose_isa
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = {
+    "paged_attention": ROOT / "kvcache" / "csrc" / "paged_attention.cpp",
+    "panel_linear": ROOT / "models" / "csrc" / "linear.cpp",
+}
+FLAGS = ["-O3", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-DNDEBUG"]
+# x86-64-v3 is AVX2 + FMA + F16C + BMI; -v4 adds AVX-512 F/BW/CD/DQ/VL. The portable build has
+# no -march at all: the compiler's baseline (SSE2 on x86-64, NEON on aarch64).
+ISA_FLAGS = {
+    "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16"],
+    "avx512": ["-march=x86-64-v4"],
+    "avx2": ["-march=x86-64-v3"],
+    "generic": [],
+}
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def compiler_version() -> str:
+    """The compiler's first line of `--version`; raises if there is none."""
+    compiler = _compiler()
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"no C++ compiler ({compiler}): {e}") from e
+    return out.splitlines()[0] if out else compiler
+
+
+def machine_isa() -> str:
+    return choose_isa(read_cpu_features())
+
+
+def library_path(name: str, isa: str) -> Path:
+    from models.registry import cache_dir
+
+    key = hashlib.sha256("\0".join([SOURCES[name].read_text(), " ".join(FLAGS + ISA_FLAGS[isa]), torch.__version__,
+                                    compiler_version(), sys.version]).encode()).hexdigest()[:16]
+    return cache_dir() / "native" / f"{name}-{isa}-{key}.so"
+
+
+def command(name: str, isa: str, out: Path) -> list[str]:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    libs = [f"-L{p}" for p in library_paths()]
+    return [_compiler(), *FLAGS, *ISA_FLAGS[isa], f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCES[name]),
+            "-o", str(out), *libs, "-lc10", "-ltorch_cpu", "-ltorch"]
+
+
+def build(name: str, isa: str | None = None) -> Path:
+    """The library's path for `isa` (default: this machine's), compiling it first if needed."""
+    from models.registry import cache_lock
+
+    isa = isa or machine_isa()
+    path = library_path(name, isa)
+    if path.exists():
+        return path
+    with cache_lock("native-build"):
+        if path.exists():
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"attnserve: compiling {SOURCES[name].name} for {isa} into {path} (once per machine)...",
+              file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            out = Path(tmp) / path.name
+            proc = subprocess.run(command(name, isa, out), capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"compiling {SOURCES[name].name} failed:\n{proc.stderr[-4000:]}")
+            shutil.move(str(out), path)  # NOTE: atomic within one directory: readers never see half a file
+    return path
+
+
+def load(name: str) -> str:
+    """Load this machine's library for `name` into torch.ops; returns the level it was built for."""
+    isa = machine_isa()
+    torch.ops.load_library(str(build(name, isa)))
+    return isa
+
+
+def _host_levels() -> list[str]:
+    """Every level this host's compiler can build (x86: all four; elsewhere: the portable one)."""
+    return list(ISA_FLAGS) if read_cpu_features().arch in ("x86_64", "AMD64") else ["generic"]
+
+
+if __name__ == "__main__":  # python -m models.native [--all]: this machine's libraries, or every level's
+    levels = _host_levels() if "--all" in sys.argv[1:] else [None]
+    for source in SOURCES:
+        for level in levels:
+            print(build(source, level))

@@ -1,0 +1,312 @@
+"""The CPU path: ISA levels from /proc/cpuinfo, caps, the choice as a pure function of what the
+machine can do, artifacts named by CPU features, and capped runs that really take the capped path."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from itertools import product
+from pathlib import Path
+
+import pytest
+
+from models import cpu_features
+from models.cpu_features import (ISA_LEVELS, CpuFeatures, capped_march, choose_isa, isa_cap, parse_cpuinfo,
+                                 torch_isa_env)
+from models.cpu_path import DTYPES, CpuCapabilities, choose_cpu_path, resolve_dtype
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BASE = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ht "
+        "syscall nx mmxext fxsr_opt pdpe1gb rdtscp lm constant_tsc rep_good nopl pni pclmulqdq ssse3 cx16 sse4_1 "
+        "sse4_2 x2apic popcnt aes xsave rdrand hypervisor lahf_lm")
+V3 = "fma movbe avx f16c abm bmi1 avx2 bmi2"
+V4 = "avx512f avx512dq avx512cd avx512bw avx512vl"
+
+
+def cpuinfo(model: str, flags: str) -> str:
+    return (f"processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: {model}\nflags\t\t: {flags}\n\n"
+            f"processor\t: 1\nmodel name\t: {model}\nflags\t\t: {flags}\n")
+
+
+CPUS = {  # /proc/cpuinfo of each kind of CPU, and its level
+    "zen4": (cpuinfo("AMD EPYC 9R14", f"{BASE} {V3} {V4} avx512_bf16 avx512_vnni avx512ifma"), "avx512_bf16"),
+    "epyc_avx2": (cpuinfo("AMD EPYC 7R13", f"{BASE} {V3} sha_ni clzero"), "avx2"),
+    "skylake_x": (cpuinfo("Intel(R) Xeon(R) Platinum 8175M", f"{BASE} {V3} {V4} avx512_vnni"), "avx512"),
+    "avx_only": (cpuinfo("Intel(R) Xeon(R) CPU E5-2670", f"{BASE} avx"), "generic"),
+    "avx2_no_fma": (cpuinfo("odd", f"{BASE} avx avx2 f16c bmi1 bmi2 movbe abm"), "generic"),
+}
+GRAVITON3 = ("processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics "
+             "fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat "
+             "ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng\nCPU part\t: 0xd40\n")
+
+
+def features(kind: str) -> CpuFeatures:
+    return parse_cpuinfo(CPUS[kind][0], "x86_64")
+
+
+@pytest.mark.parametrize("kind", sorted(CPUS))
+def test_isa_level_from_cpuinfo(kind):
+    f = features(kind)
+    assert f.isa == CPUS[kind][1] and f.arch == "x86_64" and "sse2" in f.flags
+    assert f.model.startswith(("AMD", "Intel", "odd"))
+
+
+def test_arm_and_unknown_cpus_are_generic():
+    arm = parse_cpuinfo(GRAVITON3, "aarch64")
+    assert arm.isa == "generic" and "bf16" in arm.flags and arm.model == "0xd40"
+    assert torch_isa_env("generic", arm) == {} and capped_march("generic", arm) is None
+    assert CpuFeatures("x86_64", "?", frozenset()).isa == "generic"
+
+
+def test_caps_lower_the_level_and_never_raise_it():
+    zen4, avx2 = features("zen4"), features("epyc_avx2")
+    assert choose_isa(zen4, {}) == "avx512_bf16" and choose_isa(avx2, {}) == "avx2"
+    for cap in ISA_LEVELS:
+        assert choose_isa(zen4, {"ATTNSERVE_CPU_ISA": cap}) == cap
+        assert choose_isa(avx2, {"ATTNSERVE_CPU_ISA": cap}) == min(cap, "avx2", key=ISA_LEVELS.index)
+    # torch's and oneDNN's own caps count too (the way machine.md tests the lower path)
+    assert choose_isa(zen4, {"ATEN_CPU_CAPABILITY": "avx2"}) == "avx2"
+    assert choose_isa(zen4, {"ATEN_CPU_CAPABILITY": "default"}) == "generic"
+    assert choose_isa(zen4, {"ATEN_CPU_CAPABILITY": "avx512"}) == "avx512_bf16"
+    assert choose_isa(zen4, {"ONEDNN_MAX_CPU_ISA": "AVX2"}) == "avx2"
+    assert choose_isa(zen4, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}) == "avx512"
+    assert choose_isa(zen4, {"ONEDNN_MAX_CPU_ISA": "ALL"}) == "avx512_bf16"
+    assert isa_cap({"ATTNSERVE_CPU_ISA": " AVX2 "}) == "avx2" and isa_cap({}) == "auto"
+    with pytest.raises(ValueError, match="ATTNSERVE_CPU_ISA='sse9'"):
+        isa_cap({"ATTNSERVE_CPU_ISA": "sse9"})
+
+
+def test_torch_and_onednn_follow_the_level():
+    zen4 = features("zen4")
+    assert torch_isa_env("avx2", zen4) == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert torch_isa_env("generic", zen4) == {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+    assert torch_isa_env("avx512_bf16", zen4)["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
+    for level in ISA_LEVELS:  # every level's env reads back as that level
+        assert choose_isa(zen4, torch_isa_env(level, zen4)) == level
+    assert capped_march("avx512_bf16", zen4) is None  # the CPU's own level: inductor's -march=native
+    assert capped_march("avx2", zen4) == "x86-64-v3" and capped_march("generic", zen4) == "x86-64"
+
+
+ZEN4 = CpuCapabilities("avx512_bf16", frozenset({"float32", "bfloat16"}), True, "native-avx512_bf16")
+ZEN4_NO_COMPILER = CpuCapabilities("avx512_bf16", frozenset({"float32", "bfloat16"}), False, "sdpa")
+AVX2 = CpuCapabilities("avx2", frozenset({"float32"}), True, "native-avx2")
+AVX512 = CpuCapabilities("avx512", frozenset({"float32", "bfloat16"}), True, "native-avx512")  # oneDNN emulates bf16
+AVX2_NO_COMPILER = CpuCapabilities("avx2", frozenset({"float32"}), False, "sdpa")
+GENERIC = CpuCapabilities("generic", frozenset({"float32"}), True, "native-generic")
+
+# (capabilities, requested, checkpoint dtype, weights are bf16 values) -> (dtype, weights, linear, note?)
+CHOICES = [
+    (ZEN4, "auto", "bfloat16", True, ("bfloat16", "bfloat16", "panels", False)),
+    (ZEN4_NO_COMPILER, "auto", "bfloat16", True, ("bfloat16", "bfloat16", "onednn", False)),
+    (ZEN4, "float32", "bfloat16", True, ("float32", "bfloat16", "panels", False)),
+    (ZEN4, "auto", "float32", False, ("float32", "float32", "onednn", False)),
+    (ZEN4, "bfloat16", "float32", False, ("bfloat16", "bfloat16", "panels", False)),
+    (AVX2, "auto", "bfloat16", True, ("float32", "bfloat16", "panels", False)),
+    (AVX2, "bfloat16", "bfloat16", True, ("bfloat16", "bfloat16", "panels", True)),
+    (AVX2, "auto", "float16", False, ("float32", "float32", "onednn", False)),
+    (AVX2, "auto", "float32", False, ("float32", "float32", "onednn", False)),
+    (AVX512, "auto", "bfloat16", True, ("float32", "bfloat16", "panels", False)),
+    (AVX512, "bfloat16", "bfloat16", True, ("bfloat16", "bfloat16", "panels", True)),
+    (AVX2_NO_COMPILER, "auto", "bfloat16", True, ("float32", "float32", "onednn", False)),
+    (AVX2_NO_COMPILER, "bfloat16", "bfloat16", True, ("bfloat16", "bfloat16", "torch", True)),
+    (GENERIC, "auto", "bfloat16", True, ("float32", "bfloat16", "panels", False)),
+]
+
+
+@pytest.mark.parametrize("caps,requested,source,fits,expected", CHOICES)
+def test_path_choice(caps, requested, source, fits, expected):
+    path = choose_cpu_path(caps, requested, source, fits, 2)
+    assert (path.dtype, path.weight_dtype, path.linear, bool(path.note)) == expected
+    assert path.isa == caps.isa and path.attention == caps.attention and path.num_threads == 2
+    assert f"linear={path.linear}" in path.describe() and f"isa={caps.isa}" in path.describe()
+    if path.note:
+        assert "without bf16 arithmetic" in path.note and path.note in path.describe()
+
+
+def test_no_choice_runs_what_the_machine_refuses():
+    """Over every combination: oneDNN only for a dtype it packs, the panel kernel only where it
+    built, bf16 weights only where they hold bf16 values or bf16 was asked for, and `auto` is
+    bf16 only where bf16 arithmetic is native."""
+    dtype_sets = [frozenset(), frozenset({"float32"}), frozenset({"float32", "bfloat16"})]
+    for isa, onednn, panels, requested, source, fits in product(ISA_LEVELS, dtype_sets, (True, False), DTYPES,
+                                                                 ("float32", "bfloat16"), (True, False)):
+        caps = CpuCapabilities(isa, onednn, panels)
+        path = choose_cpu_path(caps, requested, source, fits, 1)
+        if path.linear == "onednn":
+            assert path.dtype in onednn and path.weight_dtype == path.dtype
+        if path.linear == "panels":
+            assert panels and path.weight_dtype == "bfloat16"
+        if path.weight_dtype != path.dtype:
+            assert path.weight_dtype == "bfloat16" and (fits or path.dtype == "bfloat16")
+        if requested == "auto" and path.dtype == "bfloat16":
+            assert caps.bf16_native and source == "bfloat16"
+        assert path.dtype == resolve_dtype(caps, requested, source)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_dtype(ZEN4, "float16", "bfloat16")
+
+
+def test_off_the_cpu_auto_keeps_the_checkpoint_dtype():
+    path = choose_cpu_path(CpuCapabilities("avx2", frozenset(), False, "cuda"), "auto", "bfloat16", True, 1, "cuda")
+    assert (path.device, path.dtype, path.linear, path.attention) == ("cuda", "bfloat16", "torch", "cuda")
+
+
+def _run(code: str, env: dict, args: list[str] = (), timeout: int = 600) -> subprocess.CompletedProcess:
+    """Python in a fresh process; this one's own torch caps (set by a run under a cap) left out."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}, **env}
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_artifacts_are_named_by_level_and_cpu(monkeypatch, tmp_path):
+    """Libraries carry their level in their name and are built for it, never -march=native;
+    inductor's cache is named by level and CPU flags. A faked AVX2-only CPU gets other names."""
+    from models import native
+    from server.engine import compilation
+
+    monkeypatch.setenv("ATTNSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ATTNSERVE_CPU_ISA", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    names = {}
+    for kind in ("zen4", "epyc_avx2", "skylake_x"):
+        monkeypatch.setattr(native, "read_cpu_features", lambda kind=kind: features(kind))
+        monkeypatch.setattr(compilation, "read_cpu_features", lambda kind=kind: features(kind))
+        isa = native.machine_isa()
+        lib = native.library_path("paged_attention", isa)
+        assert isa == CPUS[kind][1] and f"-{isa}-" in lib.name
+        cmd = native.command("paged_attention", isa, lib)
+        assert "-march=native" not in cmd and set(native.ISA_FLAGS[isa]) <= set(cmd)
+        names[kind] = (lib, compilation.inductor_cache_dir())
+    assert len({n[0] for n in names.values()}) == 3 and len({n[1] for n in names.values()}) == 3
+    assert names["epyc_avx2"][1].name.startswith("avx2-") and "x86-64-v3" in native.ISA_FLAGS["avx2"][0]
+
+
+def _disassembly(path: Path) -> str:
+    return subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True,
+                          check=True).stdout
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86 levels")
+def test_lower_levels_hold_no_higher_instructions():
+    """The AVX2 build has no AVX-512 register in it; the portable one no AVX at all."""
+    from models.native import build
+
+    for name in ("paged_attention", "panel_linear"):
+        avx2, generic = _disassembly(build(name, "avx2")), _disassembly(build(name, "generic"))
+        assert "%ymm" in avx2 and "%zmm" not in avx2
+        assert "%ymm" not in generic and "%zmm" not in generic
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86 levels")
+def test_a_shared_cache_never_loads_another_cpus_kernel(tmp_path):
+    """A cache directory shared with a machine of another level holds that machine's library
+    (here: a file that cannot load, at the name this CPU's own level would use). A faked
+    AVX2-only CPU loads its own AVX2 build and never touches it; the real CPU does try it."""
+    from models.native import build, library_path, read_cpu_features
+
+    cache = tmp_path / "cache"
+    own = library_path("paged_attention", "avx2")
+    shared = cache / "native" / own.name
+    shared.parent.mkdir(parents=True)
+    shutil.copy(build("paged_attention", "avx2"), shared)  # the AVX2 machine's build
+    top = read_cpu_features().isa  # uncapped: the subprocesses run at the CPU's own level
+    (cache / "native" / library_path("paged_attention", top).name).write_bytes(b"built elsewhere")
+    fake_avx2 = ("import models.cpu_features as f\n"
+                 f"f.read_cpu_features = lambda: f.parse_cpuinfo({CPUS['epyc_avx2'][0]!r}, 'x86_64')\n")
+    probe = "from kvcache import ops; print(ops.CPU_BACKEND)"
+    env = {"ATTNSERVE_CACHE_DIR": str(cache), "ATTNSERVE_CPU_ISA": "auto"}
+    proc = _run(fake_avx2 + probe, env)
+    assert proc.returncode == 0 and proc.stdout.split() == ["native-avx2"], proc.stderr[-2000:]
+    assert "unavailable" not in proc.stderr
+    if top != "avx2":  # the file at the real level's name is what this CPU would load: it fails, loudly
+        proc = _run(probe, env)
+        assert proc.stdout.split() == ["sdpa"] and "kernel is unavailable" in proc.stderr
+
+
+@pytest.mark.parametrize("cap", ["avx2", "generic"])
+def test_a_capped_run_takes_the_capped_path(cap):
+    """`attnserve env` under a cap: torch, oneDNN, our kernels and inductor's cache all at the cap."""
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "env", "--json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "ATTNSERVE_CPU_ISA": cap})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["isa"]["chosen"] == cap and report["isa"]["cap"] == cap
+    assert report["torch"]["cpu_capability"] == {"avx2": "AVX2", "generic": "DEFAULT"}[cap]
+    assert "bfloat16" not in report["torch"]["onednn_packs"]  # oneDNN refuses bf16 below AVX-512
+    assert report["kernels"]["attention"] == f"native-{cap}" and report["kernels"]["panel_linear"]
+    assert all(f"-{cap}-" in lib["path"] for lib in report["kernels"]["libraries"].values())
+    assert Path(report["inductor_cache"]).name.startswith(f"{cap}-")
+    auto = report["paths"]["bfloat16 checkpoint, --dtype auto"]
+    assert f"isa={cap} dtype=float32 weights=bfloat16 linear=panels attention=native-{cap}" in auto
+    assert "without bf16 arithmetic" in report["paths"]["bfloat16 checkpoint, --dtype bfloat16"]
+
+
+def test_env_prints_the_chosen_paths():
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "env"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    for line in ("CPU: ", "ISA level: CPU ", "torch ", "oneDNN ", "compiler: ", "kernels: attention native-",
+                 "inductor cache: ", "paths chosen here:", "bfloat16 checkpoint, --dtype auto: device=cpu isa="):
+        assert line in out, line
+    assert cpu_features.read_cpu_features().model in out
+
+
+@pytest.mark.slow
+def test_bfloat16_on_an_avx2_cap_answers_with_one_line_saying_it_is_slower(default_model_dir):
+    """The README's question with an explicit --dtype bfloat16 on a CPU without bf16 arithmetic."""
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--prompt", "What is the capital of France?",
+                           "--chat", "--max-tokens", "16", "--dtype", "bfloat16", "--enforce-eager"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "ATTNSERVE_CPU_ISA": "avx2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Paris" in proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("attnserve engine:")]
+    assert len(lines) == 1 and "isa=avx2 dtype=bfloat16 weights=bfloat16 linear=panels" in lines[0]
+    assert "without bf16 arithmetic" in lines[0]
+
+
+def test_processes_capped_early_and_late_share_a_compile_cache(tmp_path, tiny_checkpoints):
+    """Under ATTNSERVE_CPU_ISA=avx2, a process that capped torch before it started and one whose
+    torch started first (a script that imports torch before attnserve) compile the same model
+    into one cache: each gets its own directory and the right tokens. With one directory for
+    both, each loaded the other's artifacts and produced zeros or a double free."""
+    code = ("import os, sys\n"
+            "if sys.argv[1] == 'late':\n"
+            "    import torch; torch.ones(2).sum()  # torch's kernels start before the cap\n"
+            "else:\n"
+            "    from models.cpu_features import apply_isa_cap; apply_isa_cap()\n"
+            "import torch\n"
+            "from server.engine import EngineConfig, LLMEngine, SamplingParams\n"
+            "from server.engine.compilation import inductor_cache_dir\n"
+            f"e = LLMEngine(EngineConfig(model={str(tiny_checkpoints['llama'])!r}, dtype='float32', num_blocks=32,"
+            " block_size=4))\n"
+            "r = e.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))\n"
+            "print(inductor_cache_dir().name, ','.join(map(str, r[0][0].token_ids)))\n")
+    from tests.reference import hf_greedy, load_hf
+
+    expected = ",".join(map(str, hf_greedy(load_hf(tiny_checkpoints["llama"]), [5, 6, 7, 8, 9], 8)))
+    env = {"ATTNSERVE_CACHE_DIR": str(tmp_path), "ATTNSERVE_CPU_ISA": "avx2"}
+    dirs = set()
+    for order in ("early", "late", "early", "late"):  # the second pair loads what the first compiled
+        proc = _run(code, env, args=[order])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        name, tokens = proc.stdout.split()
+        assert tokens == expected, order
+        dirs.add(name)
+    assert len(dirs) == 2 and all(d.startswith("avx2-") for d in dirs)
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="a cross-compile from x86")
+def test_portable_kernels_compile_for_aarch64():
+    """The portable build is plain C++ with vector extensions: it compiles for ARM too."""
+    from models.native import SOURCES, command
+
+    cross = shutil.which("aarch64-linux-gnu-g++")
+    assert cross, "aarch64-linux-gnu-g++ missing: `make test` installs Debian's g++-aarch64-linux-gnu"
+    for name in SOURCES:
+        cmd = [cross, *(a for a in command(name, "generic", Path(os.devnull))[1:]
+                        if a not in ("-shared", "-O3") and not a.startswith(("-l", "-L"))), "-O0", "-c"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
