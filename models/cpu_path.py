@@ -9,7 +9,7 @@ gathers those facts here. The choices, measured on an AVX2-only and an AVX512-BF
   float32 otherwise (where bf16 matmul is emulated: several times slower than fp32).
 * linears: bf16 weights in our panels (`panels`, models/csrc/linear.cpp) wherever the weights are
   bf16 values: bf16 pair dot products where the CPU has them (faster than oneDNN's bf16 at decode,
-  equal at prefill), else widened to fp32 in registers (as fast as oneDNN's fp32 at prefill, half
+  within 15% of it at prefill), else widened to fp32 in registers (as fast as oneDNN's fp32 at prefill, half
   the bytes at decode); oneDNN's packed kernels otherwise (fp32 weights, or no C++ compiler).
 * attention: the C++ paged kernel built for the ISA level, else gather + SDPA.
 
