@@ -48,9 +48,9 @@ import torch  # noqa: E402
 from loadtests.engine_timing import EngineAdapter, decode_step_ms, step_timings  # noqa: E402
 from loadtests.servers import peer_isa_env  # noqa: E402
 from models import load_tokenizer, resolve_model  # noqa: E402
-from models.cpu_features import choose_isa, read_cpu_features  # noqa: E402
 from models.cpu_path import DTYPES  # noqa: E402
 from models.loader import parse_dtype, serving_dtype  # noqa: E402
+from models.native import machine_isa  # noqa: E402
 from server.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 SYSTEMS = ("attnserve", "attnserve_eager", "attnserve_fp8", "vllm", "vllm_default", "llamacpp", "hf_generate",
@@ -232,7 +232,7 @@ def bench_llamacpp(args) -> dict:
 
 def llama_cpp_isa() -> str:
     """The llama.cpp build for this run: the AVX2 one where the run is capped at AVX2."""
-    return "avx2" if choose_isa(read_cpu_features()) == "avx2" else "native"
+    return "avx2" if machine_isa() == "avx2" else "native"
 
 
 def _hf_model(args):
@@ -293,7 +293,7 @@ def bench_hf_generate_batch(args, prompts, model) -> dict:
 def print_table(args, results: dict) -> None:
     ours = results["attnserve"] if "output_tokens_per_s" in results.get("attnserve", {}) else None
     flops = ours["prefill_flops"] if ours else None
-    print(f"\nmodel={args.model} dtype={args.dtype} isa={choose_isa(read_cpu_features())} threads={args.threads} "
+    print(f"\nmodel={args.model} dtype={args.dtype} isa={machine_isa()} threads={args.threads} "
           f"requests={args.num_requests} "
           f"prompts={args.min_prompt}-{args.max_prompt} new_tokens={args.max_tokens} repeats={args.repeats}")
     steps = "".join(f"{f'step@{b} ms':>12}" for b in STEP_BATCHES)

@@ -36,9 +36,14 @@ class CpuFeatures:
     flags: frozenset[str]
 
     @property
+    def is_x86(self) -> bool:
+        """The ISA levels above generic are x86's; every other architecture has the one level."""
+        return self.arch in ("x86_64", "AMD64")
+
+    @property
     def isa(self) -> str:
         """The highest level whose flags (and those of every level below) this CPU has."""
-        if self.arch not in ("x86_64", "AMD64"):
+        if not self.is_x86:
             return "generic"
         level, needed = "generic", frozenset()
         for name in ISA_LEVELS[1:]:
@@ -105,8 +110,9 @@ def isa_cap(environ: Mapping[str, str] = os.environ) -> str:
 def choose_isa(features: CpuFeatures, environ: Mapping[str, str] = os.environ) -> str:
     """The CPU's level, lowered by every cap in the environment (never raised by one)."""
     caps = [features.isa]
-    if isa_cap(environ) != "auto":
-        caps.append(isa_cap(environ))
+    cap = isa_cap(environ)
+    if cap != "auto":
+        caps.append(cap)
     caps.append(_level_of_torch_capability(environ.get("ATEN_CPU_CAPABILITY", "")) or features.isa)
     caps.append(_level_of_onednn_isa(environ.get("ONEDNN_MAX_CPU_ISA", "")) or features.isa)
     return min(caps, key=ISA_LEVELS.index)
@@ -114,7 +120,7 @@ def choose_isa(features: CpuFeatures, environ: Mapping[str, str] = os.environ) -
 
 def torch_isa_env(isa: str, features: CpuFeatures) -> dict[str, str]:
     """ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA for a level (x86 only: elsewhere there is one level)."""
-    if features.arch not in ("x86_64", "AMD64"):
+    if not features.is_x86:
         return {}
     return {"ATEN_CPU_CAPABILITY": _TORCH_CAPABILITY[isa], "ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[isa]}
 
@@ -126,7 +132,7 @@ _MARCH = {"avx512_bf16": "x86-64-v4", "avx512": "x86-64-v4", "avx2": "x86-64-v3"
 
 def capped_march(isa: str, features: CpuFeatures) -> str | None:
     """The -march that keeps generated code at `isa`, where that is below the CPU's level."""
-    if features.arch not in ("x86_64", "AMD64") or isa == features.isa:
+    if not features.is_x86 or isa == features.isa:
         return None
     return _MARCH[isa]
 

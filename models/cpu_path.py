@@ -95,10 +95,10 @@ def detect(device: str = "cpu") -> CpuCapabilities:
     import torch
 
     from kvcache import ops
-    from models.cpu_features import read_cpu_features, choose_isa
     from models.cpu_linear import onednn_packs, panel_library
+    from models.native import machine_isa
 
-    isa = choose_isa(read_cpu_features())
+    isa = machine_isa()
     if device != "cpu":
         return CpuCapabilities(isa, frozenset(), False, "cuda")
     panels = False

@@ -10,6 +10,7 @@ image that runs on other machines); otherwise the first use does, never a reques
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -45,7 +46,12 @@ def _compiler() -> str:
 
 def compiler_version() -> str:
     """The compiler's first line of `--version`; raises if there is none."""
-    compiler = _compiler()
+    return _version_of(_compiler())
+
+
+@functools.cache
+def _version_of(compiler: str) -> str:
+    # NOTE: every library's name hashes it: asked once per compiler, not once per library
     try:
         out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -107,7 +113,7 @@ def load(name: str) -> str:
 
 def _host_levels() -> list[str]:
     """Every level this host's compiler can build (x86: all four; elsewhere: the portable one)."""
-    return list(ISA_FLAGS) if read_cpu_features().arch in ("x86_64", "AMD64") else ["generic"]
+    return list(ISA_FLAGS) if read_cpu_features().is_x86 else ["generic"]
 
 
 if __name__ == "__main__":  # python -m models.native [--all]: this machine's libraries, or every level's

@@ -42,8 +42,8 @@ def collect() -> dict:
     caps = detect("cpu")
     try:
         compiler = compiler_version()
-        libraries = {name: {"path": str(library_path(name, isa)), "built": library_path(name, isa).exists()}
-                     for name in SOURCES}
+        paths = {name: library_path(name, isa) for name in SOURCES}
+        libraries = {name: {"path": str(path), "built": path.exists()} for name, path in paths.items()}
     except RuntimeError as e:
         compiler, libraries = f"none ({e})", {}
     # NOTE: what the engine would choose for a bf16 checkpoint (the default model) and an fp32 one

@@ -54,9 +54,7 @@ def compile_model(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
 
     # NOTE: below the CPU's own level, generated code must not use what the cap takes away: its
     # vector ISA follows ATEN_CPU_CAPABILITY (read here, even where torch's kernels started uncapped)
-    apply_isa_cap()
-    features = read_cpu_features()
-    inductor_config.cpp.march = capped_march(choose_isa(features), features)
+    inductor_config.cpp.march = capped_march(apply_isa_cap(), read_cpu_features())
 
     # NOTE: process-wide flags; they shape only how our model's graph is specialised
     fx_config.use_duck_shape = False  # sizes that happen to be equal must not be assumed equal
