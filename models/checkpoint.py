@@ -25,7 +25,7 @@ class HFCheckpoint:
     """An HF checkpoint in memory: config dicts and tensors under HF parameter names."""
 
     config: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, Any]  # torch.Tensor, or models.quant_formats.QuantizedTensor kept from a GGUF
     generation_config: dict[str, Any] = field(default_factory=dict)
     source: Path | None = None
 
@@ -49,15 +49,16 @@ def safetensors_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
-def read_checkpoint(path: str | Path) -> HFCheckpoint:
-    """Load a checkpoint directory or a single .gguf file (dequantised to fp32)."""
+def read_checkpoint(path: str | Path, keep_quantized: bool = False) -> HFCheckpoint:
+    """Load a checkpoint directory or a single .gguf file (its quantized matrices kept as codes
+    with `keep_quantized`, else dequantised to fp32)."""
     path = Path(path)
     if path.suffix in PICKLE_SUFFIXES:
         _refuse_pickle(path)
     if path.suffix == ".gguf":
         from models.gguf_file import read_gguf
 
-        return read_gguf(path)
+        return read_gguf(path, keep_quantized)
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint directory or .gguf file at {path}")
     config_path = path / "config.json"
@@ -68,7 +69,7 @@ def read_checkpoint(path: str | Path) -> HFCheckpoint:
             _refuse_pickle(pickles[0])
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1 and not config_path.exists():
-            return read_checkpoint(ggufs[0])
+            return read_checkpoint(ggufs[0], keep_quantized)
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     if not config_path.exists():
         raise FileNotFoundError(f"no config.json in {path}")

@@ -17,12 +17,16 @@ No torch at import: `/v1/models` and the wire carry a `CpuPath`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import asdict, dataclass
 
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16")
+# weight-only quantization (models/quantize.py): auto keeps a GGUF's types as stored, none
+# dequantizes; int8 per output channel, int4 group-wise (groups of 32, or 128)
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4_g128")
 
 
 @dataclass(frozen=True)
@@ -48,10 +52,12 @@ class CpuPath:
     attention: str  # native-<isa> | sdpa | cuda
     num_threads: int
     note: str = ""  # why a slower choice was honoured
+    quantization: str = "none"  # the quantized linears' formats (models/quant_linear.py), beside `linear`
 
     def describe(self) -> str:
+        quant = "" if self.quantization == "none" else f" quantized={self.quantization}"
         text = (f"device={self.device} isa={self.isa} dtype={self.dtype} weights={self.weight_dtype} "
-                f"linear={self.linear} attention={self.attention} threads={self.num_threads}")
+                f"linear={self.linear}{quant} attention={self.attention} threads={self.num_threads}")
         return f"{text} ({self.note})" if self.note else text
 
     def as_dict(self) -> dict:
@@ -129,9 +135,11 @@ def prepare(model, caps: CpuCapabilities, requested: str, checkpoint_dtype: str,
     path = choose_cpu_path(caps, requested, checkpoint_dtype, fits, torch.get_num_threads(), device)
     if path.dtype != str(model.dtype).removeprefix("torch."):
         raise ValueError(f"the model is {model.dtype}, its path computes in {path.dtype}")
-    if device == "cpu":
+    if not any(isinstance(m, nn.Linear) for m in model.modules()):  # every linear quantized (a GGUF)
+        path = dataclasses.replace(path, linear="quantized", weight_dtype=model.quantization)
+    elif device == "cpu":
         pack_linears(model, path.linear)
-    model.cpu_path = path
+    model.cpu_path = dataclasses.replace(path, quantization=model.quantization)
     return path
 
 

@@ -1,4 +1,5 @@
-"""GGUF reading: dequantise every tensor to fp32 and rename it to HF layout.
+"""GGUF reading: every tensor renamed to HF layout; quantized matrices kept as codes
+(models/quant_formats.py) or dequantised to fp32.
 
 Supports the `llama` GGUF architecture (Llama, Mistral, SmolLM...) and `qwen2`.
 """
@@ -79,26 +80,42 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     }
 
 
-def read_gguf(path: Path) -> HFCheckpoint:
+def _unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
+    """The row order `_unpermute` makes, for codes (whose rows move with their scales)."""
+    return torch.from_numpy(_unpermute(np.arange(num_rows), num_heads).copy())
+
+
+def read_gguf(path: Path, keep_quantized: bool = False) -> HFCheckpoint:
+    """With `keep_quantized`, matrices of a type models/quant_formats.py reads stay quantized
+    (`QuantizedTensor`); everything else is dequantised to fp32."""
     import gguf
     from tqdm import tqdm
+
+    from models.quant_formats import SUPPORTED_GGUF_TYPES, from_gguf
 
     reader = gguf.GGUFReader(str(path))
     config = gguf_config(reader)
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError("GGUF files with rope_freqs (llama3 RoPE scaling) are not supported")
     permute = config["model_type"] == "llama"
-    tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"dequantising {path.name}", unit="tensor", leave=False):
+    tensors: dict = {}
+    for t in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor", leave=False):
         name = _hf_name(t.name)
         if name is None:
             raise ValueError(f"unexpected tensor {t.name!r} in {path}")
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
+        shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims innermost first
+        heads = None
         if permute and ".self_attn.q_proj." in name:
-            w = _unpermute(w, config["num_attention_heads"])
+            heads = config["num_attention_heads"]
         elif permute and ".self_attn.k_proj." in name:
-            w = _unpermute(w, config["num_key_value_heads"])
+            heads = config["num_key_value_heads"]
+        if keep_quantized and t.tensor_type in SUPPORTED_GGUF_TYPES and len(shape) == 2:
+            w = from_gguf(t.data, t.tensor_type, tuple(shape))
+            tensors[name] = w if heads is None else w.select_rows(_unpermute_rows(shape[0], heads))
+            continue
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if heads is not None:
+            w = _unpermute(w, heads)
         tensors[name] = torch.tensor(w)  # copies out of the read-only memory map
     # NOTE: the dtype `--dtype auto` starts from: a file of quantized or 16-bit matrices is a 16-bit model
     wide = any(t.tensor_type == gguf.GGMLQuantizationType.F32 and len(t.shape) == 2 for t in reader.tensors)

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from models.checkpoint import HFCheckpoint, read_checkpoint
 from models.hf_config import config_from_hf
@@ -25,17 +26,57 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DecoderLM:
+def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                          quantization: str = "none") -> DecoderLM:
+    """`quantization`: int8 / int4 / int4_g128 quantize the decoder layers' linears (round to
+    nearest); embeddings and the LM head stay unquantized. Matrices the checkpoint holds quantized
+    (a GGUF read with keep_quantized) stay so whatever it says."""
+    from models.quant_formats import QuantizedTensor, quantize_rtn
+
     cfg = config_from_hf(ckpt.config, ckpt.generation_config)
-    state = {k: v.to(device=device, dtype=dtype) for k, v in hf_to_internal(cfg, dict(ckpt.tensors)).items()}
+    tensors = hf_to_internal(cfg, dict(ckpt.tensors))
+    if quantization != "none":
+        for name, t in tensors.items():
+            if name.startswith("layers.") and name.endswith("_proj.weight") and not isinstance(t, QuantizedTensor):
+                tensors[name] = quantize_rtn(t.float(), _fitting_scheme(quantization, t.shape[1]))
+    quantized = {k: tensors.pop(k) for k in list(tensors) if isinstance(tensors[k], QuantizedTensor)}
+    state = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
     with torch.device("meta"):
         model = DecoderLM(cfg)
-    model.load_state_dict(state, strict=True, assign=True)
-    if cfg.tie_word_embeddings:
+    for name, weight in quantized.items():
+        _install_quantized(model, name.removesuffix(".weight"), weight, state, dtype, device)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    # NOTE: a quantized module's bias came in with its codes; nothing else may be left out
+    missing = [k for k in missing if k.removesuffix(".bias") + ".weight" not in quantized]
+    if missing or unexpected:
+        raise KeyError(f"state dict mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    if cfg.tie_word_embeddings and "embed.weight" not in quantized:
         model.lm_head.weight = model.embed.weight
+    # NOTE: a fused matrix's kind lists its parts' ("Q4_K+Q6_K"): each format named once
+    model.quantization = "+".join(sorted({k for w in quantized.values() for k in w.kind.split("+")})) or "none"
     if cfg.rope is not None:
         model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
     return model.eval().requires_grad_(False)
+
+
+def _fitting_scheme(scheme: str, in_features: int) -> str:
+    """int4_g128 where 128 divides the inputs, else the largest group of 64 or 32 that does
+    (SmolLM2's 576 = 9 x 64): a matrix is never padded."""
+    if scheme != "int4_g128" or in_features % 128 == 0:
+        return scheme
+    return "int4_g64" if in_features % 64 == 0 else "int4_g32"
+
+
+def _install_quantized(model: DecoderLM, module_name: str, weight, state: dict, dtype: torch.dtype,
+                       device: str) -> None:
+    from models.quant_linear import QuantEmbedding, QuantLinear
+
+    parent_name, _, child = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    if isinstance(getattr(parent, child), nn.Embedding):
+        setattr(parent, child, QuantEmbedding(weight, dtype, device))
+    else:
+        setattr(parent, child, QuantLinear(weight, state.pop(module_name + ".bias", None), dtype, device))
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, device: str = "cpu") -> DecoderLM:
@@ -59,17 +100,40 @@ def serving_dtype(path: str | Path, dtype: str = "auto", device: str = "cpu") ->
     return resolve_dtype(detect(device), dtype, checkpoint_dtype(read_checkpoint(path)), device)
 
 
-def load_for_serving(path: str | Path, dtype: str = "auto", device: str = "cpu") -> DecoderLM:
+def load_for_serving(path: str | Path, dtype: str = "auto", device: str = "cpu",
+                     quantization: str = "auto") -> DecoderLM:
     """A model ready to serve here: in the dtype its CPU path computes in, with that path's
-    linears swapped in (`model.cpu_path` says which; models/cpu_path.py chooses)."""
+    linears swapped in (`model.cpu_path` says which; models/cpu_path.py chooses) and its weights
+    quantized as asked (`model.quantization`, `model.weight_bytes()`)."""
     from models.cpu_path import detect, prepare, resolve_dtype
 
-    ckpt = read_checkpoint(path)
+    from models.cpu_path import QUANTIZATIONS
+    from models.registry import stored_gguf
+
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
+    keep = quantization == "auto"  # NOTE: a GGUF as stored; a model converted from one reads that file again
+    ckpt = read_checkpoint((keep and stored_gguf(path)) or path, keep_quantized=keep)
     caps = detect(device)
     source = checkpoint_dtype(ckpt)
-    model = model_from_checkpoint(ckpt, parse_dtype(resolve_dtype(caps, dtype, source, device)), device)
+    model = model_from_checkpoint(ckpt, parse_dtype(resolve_dtype(caps, dtype, source, device)), device,
+                                  "none" if quantization in ("auto", "none") else quantization)
     prepare(model, caps, dtype, source, device)
+    del ckpt
+    _release_freed_memory()
     return model
+
+
+def _release_freed_memory() -> None:
+    """Hand the loader's freed buffers (unpacked codes, fp32 copies) back to the OS: glibc keeps
+    them in its arenas otherwise, about 170 MB of the default model's resident memory."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def load_tokenizer(path: str | Path) -> Any:

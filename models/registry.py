@@ -84,6 +84,14 @@ def _build_default(out: Path) -> None:
     write_checkpoint(read_gguf(gguf), out, tokenizer=gguf_tokenizer(gguf), dtype=torch.bfloat16)
 
 
+def stored_gguf(path: str | Path) -> Path | None:
+    """The GGUF file a cached checkpoint was converted from (the default model's), else None:
+    `--quantization auto` serves that file's weights as stored."""
+    if Path(path).resolve() == (cache_dir() / DEFAULT_MODEL).resolve():
+        return default_gguf_path()
+    return None
+
+
 def _build_variant(suffix: str, out: Path) -> None:
     from models.checkpoint import read_checkpoint
     from models.hf_config import config_from_hf

@@ -45,6 +45,7 @@ class DecoderLM(nn.Module):
         else:
             self.inv_freq = None
         self.cpu_path = None  # set once by models.cpu_path.prepare: how this machine runs the model
+        self.quantization = "none"  # the linears' weight format: none, int8, int4_g32, or a GGUF's types
 
     @property
     def dtype(self) -> torch.dtype:
@@ -53,6 +54,16 @@ class DecoderLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take in memory as served (tied and shared tensors counted once)."""
+        seen: dict[int, int] = {}
+        for t in [*self.parameters(), *self.buffers()]:
+            if t.is_mkldnn:  # NOTE: oneDNN's packed weights have no storage to share; each is its own
+                seen[id(t)] = t.nbytes
+            elif t.device.type != "meta":
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn | None = None) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden)."""

@@ -23,20 +23,29 @@ def _bigcode_mha_to_qkv(w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return per_head.transpose(0, 1).reshape(w.shape)  # (3 * H * D, ...)
 
 
+def _cat(parts: list) -> torch.Tensor:
+    """Rows stacked (fused projections); quantized parts stay quantized, even of mixed types."""
+    from models.quant_formats import QuantizedTensor, concat_rows
+
+    quantized = [isinstance(p, QuantizedTensor) for p in parts]
+    if all(quantized):
+        return concat_rows(parts)
+    if any(quantized):  # NOTE: a fused matrix has one format: a part stored unquantized makes it all dense
+        parts = [p.dequantize() if q else p.float() for p, q in zip(parts, quantized)]
+    return torch.cat(parts)
+
+
 def _llama_layer(hf: dict[str, torch.Tensor], cfg: ModelConfig, i: int, out: dict[str, torch.Tensor]) -> None:
     src, dst = f"model.layers.{i}.", f"layers.{i}."
     out[dst + "attn_norm.weight"] = _pop(hf, src + "input_layernorm.weight")
     out[dst + "mlp_norm.weight"] = _pop(hf, src + "post_attention_layernorm.weight")
     for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-        out[dst + f"attn.qkv_proj.{kind}"] = torch.cat(
-            [_pop(hf, src + f"self_attn.{p}_proj.{kind}") for p in "qkv"]
-        )
+        out[dst + f"attn.qkv_proj.{kind}"] = _cat([_pop(hf, src + f"self_attn.{p}_proj.{kind}") for p in "qkv"])
     for kind in ("weight", "bias") if cfg.o_bias else ("weight",):
         out[dst + f"attn.o_proj.{kind}"] = _pop(hf, src + f"self_attn.o_proj.{kind}")
     for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
-        out[dst + f"mlp.gate_up_proj.{kind}"] = torch.cat(
-            [_pop(hf, src + f"mlp.gate_proj.{kind}"), _pop(hf, src + f"mlp.up_proj.{kind}")]
-        )
+        out[dst + f"mlp.gate_up_proj.{kind}"] = _cat([_pop(hf, src + f"mlp.gate_proj.{kind}"),
+                                                       _pop(hf, src + f"mlp.up_proj.{kind}")])
         out[dst + f"mlp.down_proj.{kind}"] = _pop(hf, src + f"mlp.down_proj.{kind}")
 
 
@@ -56,7 +65,7 @@ def _gpt2_layer(hf: dict[str, torch.Tensor], cfg: ModelConfig, i: int, out: dict
             out[f"{dst}{ours}.{kind}"] = t
 
 
-def hf_to_internal(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def hf_to_internal(cfg: ModelConfig, tensors: dict) -> dict:
     """Rename/fuse HF tensors into DecoderLM's state dict; every tensor must be used exactly once."""
     hf = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
     out: dict[str, torch.Tensor] = {}

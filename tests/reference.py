@@ -58,3 +58,15 @@ def load_hf(path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
+def memoised_greedy(hf, num_tokens: int):
+    """prompt -> HF's greedy continuation and top logprobs (hf_greedy_logprobs), each prompt run once."""
+    memo = {}
+
+    def expected(prompt):
+        key = tuple(prompt)
+        if key not in memo:
+            memo[key] = hf_greedy_logprobs(hf, list(prompt), num_tokens)
+        return memo[key]
+    return expected

@@ -1,30 +1,18 @@
 """Greedy outputs equal HF transformers token for token, whatever batching, paging,
 preemption, chunking or prefix caching does: on the compiled step and the eager one, in fp32
 and bf16 (HF in the same dtype)."""
-import random
 
 import pytest
 import torch
 
 from models import load_model, load_tokenizer
 from server.engine import EngineConfig, LLMEngine, SamplingParams
-from tests.reference import assert_greedy_close, hf_greedy_logprobs, load_hf
-from tests.tiny import CORPUS
+from tests.reference import assert_greedy_close, load_hf, memoised_greedy
+from tests.tiny import CORPUS, mixed_prompts
 
 ARCHS = ["llama", "mistral", "gpt2"]  # GQA, MQA, MHA
 NUM_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
-
-
-def mixed_prompts(tok, count, seed=0, min_len=3, max_len=90):
-    rng = random.Random(seed)
-    ids = tok(CORPUS)["input_ids"]
-    out = []
-    for _ in range(count):
-        n = rng.randint(min_len, max_len)
-        start = rng.randint(0, len(ids) - n)
-        out.append(ids[start:start + n])
-    return out
 
 
 MODES = [("compiled", "float32"), ("eager", "float32"), ("compiled", "bfloat16"), ("eager", "bfloat16")]
@@ -38,14 +26,7 @@ def oracle(tiny_checkpoints):
     def get(arch, dtype="float32"):
         if (arch, dtype) not in cache:
             path = tiny_checkpoints[arch]
-            hf = load_hf(path, dtype=getattr(torch, dtype))
-            memo = {}
-
-            def expected(prompt):
-                key = tuple(prompt)
-                if key not in memo:
-                    memo[key] = hf_greedy_logprobs(hf, list(prompt), NUM_TOKENS)
-                return memo[key]
+            expected = memoised_greedy(load_hf(path, dtype=getattr(torch, dtype)), NUM_TOKENS)
             cache[(arch, dtype)] = (load_model(path, dtype), load_tokenizer(path), expected)
         return cache[(arch, dtype)]
     return get

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -80,4 +81,16 @@ def make_checkpoint(out: Path, arch: str, seed: int = 0, kv_heads: int | None = 
     model.save_pretrained(out, **kwargs)
     tok.save_pretrained(out)
     assert json.loads((out / "config.json").read_text())["model_type"] == arch
+    return out
+
+
+def mixed_prompts(tok, count, seed=0, min_len=3, max_len=90):
+    """`count` runs of CORPUS's tokens of random lengths: prompts that differ in length and text."""
+    rng = random.Random(seed)
+    ids = tok(CORPUS)["input_ids"]
+    out = []
+    for _ in range(count):
+        n = rng.randint(min_len, max_len)
+        start = rng.randint(0, len(ids) - n)
+        out.append(ids[start:start + n])
     return out

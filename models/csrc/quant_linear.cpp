@@ -1,0 +1,432 @@
+// Linears with weight-only quantized weights (models/quant_linear.py): integer codes with a scale
+// and an offset per group of `group_size` inputs, w = code * scale + offset (models/quant_formats.py
+// maps every GGUF type and our int8 / int4 schemes onto that). Activations stay fp32 (bf16 ones are
+// widened first): the results are those of the dequantized weights, up to the order of the sums.
+//
+// Packing: panels of W output features (one vector), as models/csrc/linear.cpp.
+//   8-bit codes: [panel][k][W] int8.
+//   4-bit codes: [panel][k / 32][16][W] bytes, byte (i, j) = code(j, 32c + i) | code(j, 32c + i + 16) << 4:
+//   one load of W bytes widens to two vectors (a mask and a shift), at k and k + 16.
+//   scales, offsets: [panel][group][W], fp16 where every value is one (a GGUF's Q4_0, Q4_1, Q8_0,
+//   Q5_0, Q5_1: as few bytes as the file), else fp32; no offsets at all for symmetric formats.
+// Two ways through, by the number of rows of x:
+//   few rows (decode): codes widened to fp32 in registers, multiplied into per-group sums, each
+//   group's sum scaled once: sum_g scale * (x . code) + offset * sum(x over the group);
+//   more rows: each pair of panels is dequantized once into fp32 in cache, then multiplied by
+//   register tiles of many rows, so the widening is paid once per weight, not once per row.
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int W = 16;
+constexpr int MAX_ROWS = 12;  // fp32 tiles: R x 2 accumulators + 2 weight vectors + a broadcast in 32 registers
+constexpr int DIRECT_ROWS = 4;  // code tiles: R x NP accumulators, as many group sums, the widened codes
+#elif defined(__AVX2__)
+constexpr int W = 8;
+constexpr int MAX_ROWS = 6;
+constexpr int DIRECT_ROWS = 2;
+#else
+constexpr int W = 4;
+constexpr int MAX_ROWS = 6;
+constexpr int DIRECT_ROWS = 2;
+#endif
+constexpr int64_t ROW_CHUNK = 64;  // x rows per dequantized pair of panels (the pair stays in L2)
+constexpr int64_t DIRECT_MAX_M = 8;  // up to this many rows of x: code tiles (measured: AVX2 and AVX-512); above: dequantize
+
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+typedef uint8_t vb __attribute__((vector_size(W)));
+typedef int8_t vsb __attribute__((vector_size(W)));
+
+inline vf load_f(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// NOTE: intrinsics where the ISA has a byte -> int32 widening load: GCC scalarizes
+// __builtin_convertvector from byte vectors (about 10x slower at decode)
+#if defined(__AVX512F__)
+inline vi bytes_i8(const uint8_t* p) {
+  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vi bytes_u8(const uint8_t* p) {
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#elif defined(__AVX2__)
+inline vi bytes_i8(const uint8_t* p) {
+  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline vi bytes_u8(const uint8_t* p) {
+  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+#else
+inline vi bytes_i8(const uint8_t* p) {
+  vsb b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vi);
+}
+inline vi bytes_u8(const uint8_t* p) {
+  vb b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vi);
+}
+#endif
+
+inline vf widen_i8(const uint8_t* p) { return __builtin_convertvector(bytes_i8(p), vf); }
+
+// W bytes of two nibbles: the low ones (at k) and the high ones (at k + 16), as floats
+inline void widen_u4(const uint8_t* p, vf& lo, vf& hi) {
+  const vi i = bytes_u8(p);
+  lo = __builtin_convertvector(i & 15, vf);
+  hi = __builtin_convertvector(i >> 4, vf);
+}
+
+struct Packed {
+  const uint8_t* codes;
+  const void* scales;  // fp32 or fp16
+  const void* offsets;  // as scales, or nullptr (symmetric)
+  int64_t k_dim, group, groups, panel_bytes;  // panel_bytes: one panel's codes
+};
+
+// A format: the codes' width, fp16 scales (and offsets), whether there are offsets
+template <int BITS_, bool HALF_, bool OFFSET_>
+struct Fmt {
+  static constexpr int BITS = BITS_;
+  static constexpr bool HALF = HALF_, OFFSET = OFFSET_;
+};
+
+// W scales (or offsets) of one panel and group
+template <bool HALF>
+inline vf load_scales(const void* base, int64_t at) {
+  if constexpr (!HALF) {
+    return load_f(static_cast<const float*>(base) + at);
+  } else {
+    const uint16_t* p = static_cast<const uint16_t*>(base) + at;
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    vf v;
+    for (int j = 0; j < W; ++j) v[j] = float(c10::Half(p[j], c10::Half::from_bits()));
+    return v;
+#endif
+  }
+}
+
+// R rows of accumulators -> y[r, n0 .. n0 + NP * W), features past n dropped (padding panels).
+template <int R, int NP>
+inline void store_tile(const vf (&acc)[R][NP], float* y, int64_t n, int64_t n0, const float* bias) {
+  alignas(64) float row[NP * W];
+  const int64_t width = std::min<int64_t>(NP * W, n - n0);
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < NP; ++p) std::memcpy(row + p * W, &acc[r][p], sizeof(vf));
+    if (bias != nullptr)
+      for (int64_t j = 0; j < width; ++j) row[j] += bias[n0 + j];
+    std::memcpy(y + r * n + n0, row, width * sizeof(float));
+  }
+}
+
+// Code tile: y[r, panel p0 + p] for R rows of x, NP panels, straight from the codes.
+// xs: (rows, groups) sums of x over each group (the offsets' factor).
+template <typename F, int R, int NP>
+void code_tile(const float* x, const float* xs, const Packed& w, int64_t p0, float* y, int64_t n,
+               const float* bias) {
+  const int64_t k_dim = w.k_dim;
+  vf acc[R][NP];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = vf{};
+  const uint8_t* codes = w.codes + p0 * w.panel_bytes;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    // NOTE: two sums per output vector (k and k + 16; even and odd k): two FMA chains, not one,
+    // so the FMAs' latency is hidden at one row
+    vf sum[R][NP], sum2[R][NP];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < NP; ++p) sum[r][p] = sum2[r][p] = vf{};
+    const int64_t k0 = g * w.group;
+    if constexpr (F::BITS == 8) {
+      for (int64_t k = k0; k < k0 + w.group; k += 2) {  // NOTE: groups are even (16 and up)
+        for (int p = 0; p < NP; ++p) {
+          __builtin_prefetch(codes + p * w.panel_bytes + (k + 64) * W, 0, 0);
+          const vf c = widen_i8(codes + p * w.panel_bytes + k * W);
+          const vf c2 = widen_i8(codes + p * w.panel_bytes + (k + 1) * W);
+          for (int r = 0; r < R; ++r) {
+            sum[r][p] += x[r * k_dim + k] * c;
+            sum2[r][p] += x[r * k_dim + k + 1] * c2;
+          }
+        }
+      }
+    } else {
+      for (int64_t c0 = k0; c0 < k0 + w.group; c0 += 32) {
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t at = (c0 / 2 + i) * W;  // byte offset in the panel: 16 rows of W bytes per 32 k
+          for (int p = 0; p < NP; ++p) {
+            __builtin_prefetch(codes + p * w.panel_bytes + at + 64 * W, 0, 0);
+            vf lo, hi;
+            widen_u4(codes + p * w.panel_bytes + at, lo, hi);
+            for (int r = 0; r < R; ++r) {
+              sum[r][p] += x[r * k_dim + c0 + i] * lo;
+              sum2[r][p] += x[r * k_dim + c0 + i + 16] * hi;
+            }
+          }
+        }
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      const int64_t at = ((p0 + p) * w.groups + g) * W;
+      const vf s = load_scales<F::HALF>(w.scales, at);
+      for (int r = 0; r < R; ++r) acc[r][p] += (sum[r][p] + sum2[r][p]) * s;
+      if constexpr (F::OFFSET) {
+        const vf o = load_scales<F::HALF>(w.offsets, at);
+        for (int r = 0; r < R; ++r) acc[r][p] += xs[r * w.groups + g] * o;
+      }
+    }
+  }
+  store_tile<R, NP>(acc, y, n, p0 * W, bias);
+}
+
+// Panel p's weights as fp32, [k][W], into out.
+template <typename F>
+void dequantize_panel(const Packed& w, int64_t p, float* out) {
+  const uint8_t* codes = w.codes + p * w.panel_bytes;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const int64_t at = (p * w.groups + g) * W, k0 = g * w.group;
+    const vf s = load_scales<F::HALF>(w.scales, at);
+    const vf o = F::OFFSET ? load_scales<F::HALF>(w.offsets, at) : vf{};
+    if constexpr (F::BITS == 8) {
+      for (int64_t k = k0; k < k0 + w.group; ++k) {
+        const vf v = widen_i8(codes + k * W) * s + o;
+        std::memcpy(out + k * W, &v, sizeof v);
+      }
+    } else {
+      for (int64_t c0 = k0; c0 < k0 + w.group; c0 += 32)
+        for (int64_t i = 0; i < 16; ++i) {
+          vf lo, hi;
+          widen_u4(codes + (c0 / 2 + i) * W, lo, hi);
+          lo = lo * s + o;
+          hi = hi * s + o;
+          std::memcpy(out + (c0 + i) * W, &lo, sizeof lo);
+          std::memcpy(out + (c0 + i + 16) * W, &hi, sizeof hi);
+        }
+    }
+  }
+}
+
+// fp32 tile over two dequantized panels wp ([2][k][W]): y[r, n0 ..) for R rows.
+template <int R>
+void fp32_tile(const float* x, int64_t k_dim, const float* wp, float* y, int64_t n, int64_t n0, const float* bias) {
+  vf acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vf{};
+  const float* w1 = wp + k_dim * W;
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const vf a = load_f(wp + k * W), b = load_f(w1 + k * W);
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * k_dim + k];
+      acc[r][0] += xv * a;
+      acc[r][1] += xv * b;
+    }
+  }
+  store_tile<R, 2>(acc, y, n, n0, bias);
+}
+
+using Fp32TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*);
+
+template <int... R>
+constexpr std::array<Fp32TileFn, sizeof...(R)> fp32_tiles(std::integer_sequence<int, R...>) {
+  return {&fp32_tile<R + 1>...};
+}
+constexpr auto FP32_TILES = fp32_tiles(std::make_integer_sequence<int, MAX_ROWS>{});
+
+using CodeTileFn = void (*)(const float*, const float*, const Packed&, int64_t, float*, int64_t, const float*);
+
+// One row: four panels at once (four independent chains per group); more rows: two panels.
+template <typename F, int... R>
+constexpr std::array<CodeTileFn, sizeof...(R)> code_tiles(std::integer_sequence<int, R...>) {
+  return {(R == 0 ? &code_tile<F, 1, 4> : &code_tile<F, R + 1, 2>)...};
+}
+
+// Rows of x in blocks as even as they go (no thin tail with few chains)
+template <typename F>
+inline void row_blocks(int64_t rows, int max_rows, F&& f) {
+  const int64_t blocks = (rows + max_rows - 1) / max_rows;
+  for (int64_t b = 0, r = 0; b < blocks; ++b) {
+    const int nr = int(rows / blocks + (b < rows % blocks));
+    f(r, nr);
+    r += nr;
+  }
+}
+
+template <typename F>
+void run(const Packed& w, const float* x, const float* xs, int64_t m, float* y, int64_t n, const float* bias,
+         int64_t q0, int64_t q1) {
+  const int64_t k_dim = w.k_dim;
+  if (m <= DIRECT_MAX_M) {
+    static constexpr auto tiles = code_tiles<F>(std::make_integer_sequence<int, DIRECT_ROWS>{});
+    if (m == 1) {
+      int64_t p = 2 * q0;
+      for (; p + 4 <= 2 * q1; p += 4) tiles[0](x, xs, w, p, y, n, bias);
+      if (p < 2 * q1) code_tile<F, 1, 2>(x, xs, w, p, y, n, bias);
+      return;
+    }
+    for (int64_t p = 2 * q0; p < 2 * q1; p += 2)
+      row_blocks(m, DIRECT_ROWS, [&](int64_t r, int nr) {
+        if (nr == 1)
+          code_tile<F, 1, 2>(x + r * k_dim, xs + r * w.groups, w, p, y + r * n, n, bias);
+        else
+          tiles[nr - 1](x + r * k_dim, xs + r * w.groups, w, p, y + r * n, n, bias);
+      });
+    return;
+  }
+  std::vector<float> buf(2 * k_dim * W);
+  for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
+    const int64_t rows = std::min(m - r0, ROW_CHUNK);
+    for (int64_t q = q0; q < q1; ++q) {
+      dequantize_panel<F>(w, 2 * q, buf.data());
+      dequantize_panel<F>(w, 2 * q + 1, buf.data() + k_dim * W);
+      row_blocks(rows, MAX_ROWS, [&](int64_t r, int nr) {
+        FP32_TILES[nr - 1](x + (r0 + r) * k_dim, k_dim, buf.data(), y + (r0 + r) * n, n, 2 * q * W, bias);
+      });
+    }
+  }
+}
+
+using RunFn = void (*)(const Packed&, const float*, const float*, int64_t, float*, int64_t, const float*, int64_t,
+                       int64_t);
+
+RunFn format_runner(int64_t bits, bool half, bool offsets) {
+  const RunFn fns[2][2][2] = {{{&run<Fmt<4, false, false>>, &run<Fmt<4, false, true>>},
+                               {&run<Fmt<4, true, false>>, &run<Fmt<4, true, true>>}},
+                              {{&run<Fmt<8, false, false>>, &run<Fmt<8, false, true>>},
+                               {&run<Fmt<8, true, false>>, &run<Fmt<8, true, true>>}}};
+  return fns[bits == 8][half][offsets];
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& q, const at::Tensor& scale,
+                                                    const std::optional<at::Tensor>& offset, int64_t bits,
+                                                    int64_t group) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "codes must be int8 (out_features, in_features)");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const int64_t n = q.size(0), k_dim = q.size(1);
+  TORCH_CHECK(group > 0 && k_dim % group == 0, "in_features must be a multiple of the group size");
+  TORCH_CHECK(bits == 8 || group % 32 == 0, "4-bit codes need groups of a multiple of 32");
+  TORCH_CHECK(group % 2 == 0, "groups must be even (the code tiles take k in pairs)");
+  const int64_t groups = k_dim / group;
+  TORCH_CHECK(bits == 8 || q.numel() == 0 || (q.min().item<int8_t>() >= 0 && q.max().item<int8_t>() < 16),
+              "4-bit codes must be in 0..15");
+  TORCH_CHECK(scale.sizes() == at::IntArrayRef({n, groups}), "scale must be (out_features, in_features / group)");
+  const at::Tensor qc = q.contiguous(), sc = scale.to(at::kFloat).contiguous();
+  const at::Tensor oc = offset.has_value() ? offset->to(at::kFloat).contiguous() : at::zeros({n, k_dim / group}, sc.options());
+  TORCH_CHECK(oc.sizes() == sc.sizes(), "offset must be shaped like scale");
+  // NOTE: an even number of panels, zero padded: a two-panel tile never reads past the tensor
+  const int64_t panels = (n + 2 * W - 1) / (2 * W) * 2, panel_bytes = k_dim * W * bits / 8;
+  at::Tensor codes = at::zeros({panels, panel_bytes}, q.options().dtype(at::kByte));
+  at::Tensor scales = at::zeros({panels, groups, W}, sc.options()), offsets = at::zeros({panels, groups, W}, sc.options());
+  const int8_t* src = qc.data_ptr<int8_t>();
+  const float *s_src = sc.data_ptr<float>(), *o_src = oc.data_ptr<float>();
+  uint8_t* dst = codes.data_ptr<uint8_t>();
+  float *s_dst = scales.data_ptr<float>(), *o_dst = offsets.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < W && p * W + j < n; ++j) {
+        const int8_t* row = src + (p * W + j) * k_dim;
+        uint8_t* panel = dst + p * panel_bytes;
+        for (int64_t k = 0; k < k_dim; ++k) {
+          if (bits == 8) {
+            panel[k * W + j] = uint8_t(row[k]);
+          } else {
+            const int64_t c = k / 32, i = k % 32;
+            panel[(c * 16 + i % 16) * W + j] |= uint8_t(row[k] << (i < 16 ? 0 : 4));
+          }
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+          s_dst[(p * groups + g) * W + j] = s_src[(p * W + j) * groups + g];
+          o_dst[(p * groups + g) * W + j] = o_src[(p * W + j) * groups + g];
+        }
+      }
+  });
+  // NOTE: fp16 only where it is exact, so packing never changes a weight
+  const auto exact_half = [](const at::Tensor& t) { return t.to(at::kHalf).to(at::kFloat).eq(t).all().item<bool>(); };
+  const bool has_offsets = offset.has_value() && offsets.ne(0).any().item<bool>();
+  if (exact_half(scales) && (!has_offsets || exact_half(offsets))) {
+    scales = scales.to(at::kHalf);
+    offsets = offsets.to(at::kHalf);
+  }
+  return {codes, scales, has_offsets ? offsets : at::empty({0}, scales.options())};
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+                  const std::optional<at::Tensor>& bias, int64_t bits, int64_t group, int64_t out_features) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(0) % 2 == 0,
+              "codes must be packed by this library");
+  const bool half = scales.scalar_type() == at::kHalf, has_offsets = offsets.numel() > 0;
+  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == W && scales.is_contiguous() &&
+                  (half || scales.scalar_type() == at::kFloat) &&
+                  (!has_offsets || (offsets.sizes() == scales.sizes() && offsets.is_contiguous() &&
+                                    offsets.scalar_type() == scales.scalar_type())),
+              "scales and offsets must be packed by this library (panels of ", W, " features)");
+  const int64_t panels = codes.size(0), k_dim = x.size(-1), groups = scales.size(1);
+  TORCH_CHECK(codes.size(1) == k_dim * W * bits / 8 && groups * group == k_dim && scales.size(0) == panels,
+              "x has ", k_dim, " features; the weights do not");
+  TORCH_CHECK(out_features > panels * W - 2 * W && out_features <= panels * W, "out_features does not match the panels");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
+  const at::Tensor xc = x.to(at::kFloat).reshape({-1, k_dim}).contiguous();  // (M, K)
+  const int64_t m = xc.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  at::Tensor y = at::empty({m, out_features}, xc.options());
+  std::optional<at::Tensor> b;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b->numel() == out_features, "bias must have out_features elements");
+  }
+  if (m > 0) {
+    const float* xp = xc.data_ptr<float>();
+    std::vector<float> xs;  // (M, groups): each group's sum of x, for the offsets
+    if (m <= DIRECT_MAX_M && has_offsets) {
+      xs.assign(m * groups, 0.f);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+          float s = 0.f;
+          for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xp[r * k_dim + k];
+          xs[r * groups + g] = s;
+        }
+    }
+    const Packed w{codes.data_ptr<uint8_t>(), scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr, k_dim,
+                   group, groups, codes.size(1)};
+    float* yp = y.data_ptr<float>();
+    const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
+    // NOTE: whole pairs of panels per task: a two-panel tile never straddles two threads
+    const auto fn = format_runner(bits, half, has_offsets);
+    at::parallel_for(0, panels / 2, 1, [&](int64_t q0, int64_t q1) {
+      fn(w, xp, xs.data(), m, yp, out_features, bp, q0, q1);
+    });
+  }
+  return y.to(x.scalar_type()).view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnserve, CPU, m) {
+  m.impl("quant_linear", &linear);
+  m.impl("pack_quant", &pack);
+}

@@ -1,0 +1,229 @@
+"""Quantized weights in one lossless form for the kernels: int8 codes with per-group fp32 scales and offsets.
+
+GGUF blocks decode into it so that `dequantize()` equals `gguf.quants.dequantize` bit for bit: every scale and
+offset is the float32 value the reference computes before its last multiply/add, and the last ops run in the
+same order. `quantize_rtn` makes the same form from float weights (round to nearest, no calibration).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+T = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A 2-D weight (N out features, K in features) as integer codes with per-group scales and offsets:
+    w[n, k] = q[n, k] * scale[n, k // group_size] + offset[n, k // group_size] (float32: one multiply, then
+    one add; no add when offset is None)."""
+
+    q: torch.Tensor  # int8 (N, K); codes in 0..15 when bits == 4
+    scale: torch.Tensor  # float32 (N, K // group_size)
+    offset: torch.Tensor | None  # float32 (N, K // group_size), or None (symmetric)
+    bits: int  # 4: the kernels store nibbles; 8: bytes
+    group_size: int  # along K
+    kind: str  # source format, for reports: "Q4_K", "int8", "int4_g32", "Q4_K+Q6_K", ...
+
+    def __post_init__(self):
+        n, k = self.q.shape
+        groups = (n, k // self.group_size)
+        if self.q.dtype != torch.int8 or self.bits not in (4, 8) or k % self.group_size:
+            raise ValueError(f"bad {self.kind}: q {self.q.dtype} {tuple(self.q.shape)}, bits {self.bits}, "
+                             f"group {self.group_size}")
+        for name, t in (("scale", self.scale), ("offset", self.offset)):
+            if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != groups):
+                raise ValueError(f"bad {self.kind}: {name} {t.dtype} {tuple(t.shape)}, expected float32 {groups}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.shape
+        q = self.q.reshape(n, k // self.group_size, self.group_size).float()  # (N, K/g, g)
+        w = q * self.scale[..., None]
+        if self.offset is not None:
+            w = w + self.offset[..., None]
+        return w.reshape(n, k)  # (N, K)
+
+    def nbytes(self) -> int:
+        n, k = self.shape
+        codes = n * k * self.bits // 8
+        return codes + 4 * self.scale.numel() * (1 if self.offset is None else 2)
+
+    def select_rows(self, index: torch.Tensor) -> QuantizedTensor:
+        offset = None if self.offset is None else self.offset[index]
+        return dataclasses.replace(self, q=self.q[index], scale=self.scale[index], offset=offset)
+
+
+# --- GGUF -----------------------------------------------------------------------------------------------
+# Each decoder maps blocks (B, type_size) uint8 to (codes (B, block) int8, scale (B, block / group) f32,
+# offset or None). Layouts: ggml-common.h; arithmetic: gguf.quants.
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """(B, 2) little-endian fp16 bytes -> (B, 1) float32 (exact)."""
+    return np.ascontiguousarray(b).view("<f2").astype(np.float32)
+
+
+def _nibbles(b: np.ndarray) -> np.ndarray:
+    """(..., m) bytes -> (..., 2m): all low nibbles, then all high nibbles (ggml's order)."""
+    return np.concatenate([b & 0x0F, b >> 4], axis=-1)
+
+
+def _bits(b: np.ndarray) -> np.ndarray:
+    """(B, m) bytes -> (B, 8m) bits, least significant first (a little-endian bit string)."""
+    return np.unpackbits(b, axis=-1, bitorder="little")
+
+
+def _q8_0(b):
+    return b[:, 2:].view(np.int8).copy(), _f16(b[:, :2]), None
+
+
+def _q4_0(b):
+    # The reference computes d * (q - 8). With d fp16 (11 significant bits) and q < 16, q*d, -8*d and their
+    # sum are all exact in float32, so q*d + (-8d) is the same value; only a zero's sign can differ (+0 here).
+    d = _f16(b[:, :2])
+    return _nibbles(b[:, 2:]).astype(np.int8), d, -8 * d
+
+
+def _q4_1(b):
+    return _nibbles(b[:, 4:]).astype(np.int8), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q5(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """32 five-bit codes per block: low nibbles from qs, bit j of the little-endian uint32 qh on top of code j."""
+    return (_nibbles(qs) | (_bits(qh) << 4)).astype(np.int8)
+
+
+def _q5_0(b):
+    # Signed codes q - 16 and no offset: the reference's d * (q - 16), one exact product.
+    return _q5(b[:, 2:6], b[:, 6:]) - 16, _f16(b[:, :2]), None
+
+
+def _q5_1(b):
+    return _q5(b[:, 4:8], b[:, 8:]), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(B, 12) packed -> 8 six-bit scales and 8 six-bit mins (B, 8) each (ggml's get_scale_min_k4)."""
+    a, b, c = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], axis=-1)
+    m = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return sc, m
+
+
+def _k_scale_offset(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The reference computes (d*sc) * q - (dmin*m): scale = d*sc, offset = -(dmin*m); x - y is x + (-y)."""
+    sc, m = _k_scales(b[:, 4:16])
+    return _f16(b[:, :2]) * sc.astype(np.float32), -(_f16(b[:, 2:4]) * m.astype(np.float32))
+
+
+def _q4_k(b):
+    codes = _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 256)  # (B, 4 chunks, 64) -> (B, 256)
+    return (codes.astype(np.int8), *_k_scale_offset(b))
+
+
+def _q5_k(b):
+    low = _nibbles(b[:, 48:].reshape(-1, 4, 32)).reshape(-1, 256)  # (B, 256)
+    high = _bits(b[:, 16:48, None]).transpose(0, 2, 1).reshape(-1, 256)  # bit s of qh[l] -> code 32s+l
+    return ((low | (high << 4)).astype(np.int8), *_k_scale_offset(b))
+
+
+def _q6_k(b):
+    # Two halves of 128 codes: ql gives low nibbles of 64 bytes (low nibbles first), qh 2 bits per code.
+    low = _nibbles(b[:, :128].reshape(-1, 2, 64))  # (B, 2, 128)
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]  # (B, 2, 4, 32)
+    codes = (low | ((qh & 3).reshape(-1, 2, 128) << 4)).reshape(-1, 256).astype(np.int8) - 32  # (B, 256)
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)  # (B, 16)
+    return codes, _f16(b[:, 208:]) * sc, None
+
+
+_DECODERS = {
+    T.Q8_0: (_q8_0, 8, 32), T.Q4_0: (_q4_0, 4, 32), T.Q4_1: (_q4_1, 4, 32), T.Q5_0: (_q5_0, 8, 32),
+    T.Q5_1: (_q5_1, 8, 32), T.Q4_K: (_q4_k, 4, 32), T.Q5_K: (_q5_k, 8, 32), T.Q6_K: (_q6_k, 8, 16),
+}  # type -> (decoder, bits, group_size)
+SUPPORTED_GGUF_TYPES = frozenset(_DECODERS)
+
+
+def from_gguf(data: np.ndarray, tensor_type: GGMLQuantizationType, shape: tuple[int, int]) -> QuantizedTensor:
+    """`data`: GGUFReader's tensor.data (raw uint8 blocks, (N, bytes per row)); `shape`: (N, K)."""
+    tensor_type = T(tensor_type)
+    if tensor_type not in _DECODERS:
+        names = ", ".join(sorted(t.name for t in SUPPORTED_GGUF_TYPES))
+        raise ValueError(f"GGUF type {tensor_type.name} is not supported; supported: {names}")
+    decode, bits, group = _DECODERS[tensor_type]
+    block, type_size = GGML_QUANT_SIZES[tensor_type]
+    n, k = shape
+    if k % block or data.nbytes != n * k // block * type_size:
+        raise ValueError(f"{tensor_type.name} tensor of shape {tuple(shape)} needs K % {block} == 0 and "
+                         f"{n * k // block * type_size} bytes; got {data.nbytes} bytes")
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size)  # (B, type_size)
+    q, scale, offset = decode(blocks)
+    rows = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))  # noqa: E731  (N, K or K/g)
+    return QuantizedTensor(rows(q), rows(scale), None if offset is None else rows(offset), bits, group,
+                           tensor_type.name)
+
+
+# --- combining and quantizing ------------------------------------------------------------------------------
+
+
+def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """Stack along N (fused qkv / gate_up) losslessly: the widest bits, the smallest group (scales repeated)."""
+    if not parts or len({p.shape[1] for p in parts}) != 1:
+        raise ValueError(f"concat_rows needs parts with one K; got shapes {[p.shape for p in parts]}")
+    k = parts[0].shape[1]
+    group = min(p.group_size for p in parts)
+    if any(p.group_size % group for p in parts):
+        raise ValueError(f"group sizes {[p.group_size for p in parts]} are not multiples of {group}")
+
+    def regroup(t: torch.Tensor, p: QuantizedTensor) -> torch.Tensor:
+        return t.repeat_interleave(p.group_size // group, dim=1)  # (N_p, K / group)
+
+    def offset_of(p: QuantizedTensor) -> torch.Tensor:
+        # -0.0, not 0.0: x + (-0.0) is x bit for bit, whereas -0.0 + 0.0 would turn a -0.0 weight into +0.0.
+        if p.offset is None:
+            return torch.full((p.shape[0], k // group), -0.0, dtype=torch.float32)
+        return regroup(p.offset, p)
+
+    has_offset = any(p.offset is not None for p in parts)
+    kinds = [p.kind for p in parts]
+    return QuantizedTensor(
+        q=torch.cat([p.q for p in parts]),
+        scale=torch.cat([regroup(p.scale, p) for p in parts]),
+        offset=torch.cat([offset_of(p) for p in parts]) if has_offset else None,
+        bits=max(p.bits for p in parts),
+        group_size=group,
+        kind=kinds[0] if len(set(kinds)) == 1 else "+".join(kinds),
+    )
+
+
+_INT4_GROUPS = {"int4": 32, "int4_g32": 32, "int4_g64": 64, "int4_g128": 128}
+
+
+def quantize_rtn(w: torch.Tensor, scheme: str) -> QuantizedTensor:
+    """Round-to-nearest weight-only quantization of a (N, K) weight. "int8": symmetric per output channel;
+    "int4" (= "int4_g32"), "int4_g128": asymmetric min/max per group of 32 / 128 along K."""
+    if w.dim() != 2:
+        raise ValueError(f"quantize_rtn needs a 2-D weight; got shape {tuple(w.shape)}")
+    w = w.detach().float()
+    n, k = w.shape
+    if scheme == "int8":
+        scale = w.abs().amax(dim=1, keepdim=True) / 127  # (N, 1)
+        q = torch.round(w / torch.where(scale == 0, 1.0, scale)).clamp(-127, 127)  # zero row: codes 0
+        return QuantizedTensor(q.to(torch.int8), scale, None, 8, k, "int8")
+    if scheme not in _INT4_GROUPS:
+        raise ValueError(f"unknown scheme {scheme!r}; expected int8 or one of {', '.join(_INT4_GROUPS)}")
+    group = _INT4_GROUPS[scheme]
+    if k % group:
+        raise ValueError(f"{scheme} needs K % {group} == 0; weight shape {tuple(w.shape)}")
+    groups = w.reshape(n, k // group, group)  # (N, K/g, g)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)  # (N, K/g)
+    scale = (hi - lo) / 15  # a constant group: scale 0, codes 0, offset = its value (exact)
+    q = torch.round((groups - lo[..., None]) / torch.where(scale == 0, 1.0, scale)[..., None]).clamp(0, 15)
+    return QuantizedTensor(q.reshape(n, k).to(torch.int8), scale, lo, 4, group, f"int4_g{group}")

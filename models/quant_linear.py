@@ -1,0 +1,126 @@
+"""Weight-only quantized linears and embeddings (codes + group scales/offsets, models/quant_formats.py).
+
+On CPU the codes stay packed (models/csrc/quant_linear.cpp): a decode step reads 4 or 8 bits per
+weight instead of 16 or 32. On CUDA, 4-bit groups that fit torch's tinygemm layout and int8 per
+channel use torch's kernels; anything else is dequantized for each call (correct, not fast). Without
+a C++ compiler on CPU the weights are dequantized once at load (the bytes are then not saved).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from models.quant_formats import QuantizedTensor
+
+logger = logging.getLogger(__name__)
+
+_LIB = torch.library.Library("attnserve", "FRAGMENT")
+_LIB.define("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias, int bits, "
+            "int group_size, SymInt out_features) -> Tensor")
+_LIB.define("pack_quant(Tensor q, Tensor scale, Tensor? offset, int bits, int group_size) -> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.register_fake("attnserve::quant_linear")
+def _(x, codes, scales, offsets, bias, bits, group_size, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@functools.cache
+def quant_library() -> str:
+    """Load the quantized-linear kernel for this CPU's level (raises without a compiler)."""
+    from models.native import load
+
+    return load("quant_linear")
+
+
+def quant_kernel_available() -> bool:
+    try:
+        quant_library()
+    except Exception as e:  # noqa: BLE001 - no compiler: dequantize at load instead
+        logger.warning("the quantized-linear kernel is unavailable (%s)", str(e).splitlines()[0])
+        return False
+    return True
+
+
+class QuantLinear(nn.Module):
+    """y = x @ dequantize(W)^T + b, W kept as codes; x and y keep x's dtype."""
+
+    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.bits, self.group_size, self.kind = weight.bits, weight.group_size, weight.kind
+        self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
+        self.mode = _mode(weight, torch.device(device))
+        if self.mode == "packed":
+            codes, scales, offsets = torch.ops.attnserve.pack_quant(weight.q, weight.scale, weight.offset,
+                                                                    weight.bits, weight.group_size)
+            self.register_buffer("codes", codes, persistent=False)  # (panels, K * W * bits / 8) uint8
+            self.register_buffer("scales", scales, persistent=False)  # (panels, groups, W) fp32
+            self.register_buffer("offsets", offsets, persistent=False)  # (panels, groups, W) fp32
+        elif self.mode == "dense":
+            self.register_buffer("weight", weight.dequantize().to(device, dtype), persistent=False)  # (N, K)
+        else:  # codes on the GPU, dequantized per call
+            self.register_buffer("q", weight.q.to(device), persistent=False)  # (N, K) int8
+            self.register_buffer("scale", weight.scale.to(device), persistent=False)  # (N, K / G)
+            self.register_buffer("offset", None if weight.offset is None else weight.offset.to(device),
+                                 persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "packed":
+            return torch.ops.attnserve.quant_linear(x, self.codes, self.scales, self.offsets, self.bias, self.bits,
+                                                    self.group_size, self.out_features)
+        if self.mode == "dense":
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(x, _dequantize(self.q, self.scale, self.offset, self.group_size, x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.kind}, {self.mode}"
+
+
+class QuantEmbedding(nn.Module):
+    """Rows of codes gathered, then dequantized: the table stays quantized (a GGUF's token_embd)."""
+
+    def __init__(self, weight: QuantizedTensor, dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.group_size, self.kind, self.out_dtype = weight.group_size, weight.kind, dtype
+        self.register_buffer("q", weight.q.to(device), persistent=False)  # (V, C) int8
+        self.register_buffer("scale", weight.scale.to(device), persistent=False)  # (V, C / G)
+        self.register_buffer("offset", None if weight.offset is None else weight.offset.to(device), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table's dtype and device (DecoderLM reads them from embed.weight)."""
+        return self.scale.new_empty(0, dtype=self.out_dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        offset = None if self.offset is None else self.offset[ids]
+        return _dequantize(self.q[ids], self.scale[ids], offset, self.group_size, self.out_dtype)  # (T, C)
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group_size: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """(..., K) codes -> (..., K) weights: code * scale + offset per group, in fp32, then `dtype`."""
+    shape = q.shape
+    w = q.reshape(*shape[:-1], -1, group_size).float() * scale.unsqueeze(-1)  # (..., K / G, G)
+    if offset is not None:
+        w = w + offset.unsqueeze(-1)
+    return w.reshape(shape).to(dtype)
+
+
+def _mode(weight: QuantizedTensor, device: torch.device) -> str:
+    if device.type != "cpu":
+        return "codes"
+    # NOTE: 4-bit codes are packed in runs of 32 inputs: groups must hold whole runs; 8-bit ones
+    # are read in pairs
+    if quant_kernel_available() and weight.group_size % (32 if weight.bits == 4 else 2) == 0:
+        return "packed"
+    return "dense"

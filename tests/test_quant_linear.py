@@ -1,0 +1,109 @@
+"""The quantized-linear kernel (codes + group scales/offsets, models/csrc/quant_linear.cpp) against
+float64 on the dequantized weights, for the ISA level this process runs at (CI runs this file
+under ATTNSERVE_CPU_ISA=avx2 and generic too), and the modules built on it."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.quant_formats import QuantizedTensor, quantize_rtn
+from models.quant_linear import QuantEmbedding, QuantLinear, quant_library
+
+ROWS = [1, 2, 3, 7, 32, 300]  # decode (code tiles), the crossover, prefill (dequantized panels)
+
+
+def random_quantized(n, k, bits, group, scales="fp32", offsets=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (0, 16) if bits == 4 else (-128, 128)
+    q = torch.randint(lo, hi, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, k // group, generator=g) * 0.02
+    offset = torch.randn(n, k // group, generator=g) * 0.02 if offsets else None
+    if scales == "fp16":  # a GGUF's Q4_0 / Q4_1 / Q8_0: the kernel keeps them as fp16
+        scale = scale.half().float()
+        offset = None if offset is None else offset.half().float()
+    return QuantizedTensor(q, scale, offset, bits, group, "test")
+
+
+# (bits, group, scale storage, offsets): every format the kernel dispatches on
+FORMATS = [(4, 32, "fp16", True), (4, 32, "fp32", True), (4, 128, "fp32", True), (4, 64, "fp16", False),
+           (8, 32, "fp16", False), (8, 16, "fp32", False), (8, 32, "fp32", True), (8, 576, "fp32", False)]
+
+
+@pytest.mark.parametrize("bits,group,scales,offsets", FORMATS)
+@pytest.mark.parametrize("m", ROWS)
+def test_matches_dequantized_weights_in_float64(bits, group, scales, offsets, m):
+    quant_library()
+    n, k = 100, 1152  # 100 features: not a multiple of a panel pair at any width; K: every group divides it
+    w = random_quantized(n, k, bits, group, scales, offsets, seed=m + bits)
+    codes, packed_scales, packed_offsets = torch.ops.attnserve.pack_quant(w.q, w.scale, w.offset, bits, group)
+    assert packed_scales.dtype == (torch.float16 if scales == "fp16" else torch.float32)
+    assert (packed_offsets.numel() > 0) == offsets
+    g = torch.Generator().manual_seed(m)
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    y = torch.ops.attnserve.quant_linear(x, codes, packed_scales, packed_offsets, b, bits, group, n)
+    expected = F.linear(x.double(), w.dequantize().double(), b.double())
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    # NOTE: fp32 sums in another order (per group, then scaled): relative to the outputs' size
+    assert (y.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("m", [1, 7, 300])
+def test_bf16_inputs_give_bf16_outputs_rounded_once(m):
+    w = random_quantized(64, 256, 4, 32, seed=3)
+    layer = QuantLinear(w, None, torch.bfloat16)
+    x = torch.randn(2, m, 256).bfloat16()  # (B, S, K): leading dims kept
+    y = layer(x)
+    expected = F.linear(x.double(), w.dequantize().double())
+    assert y.dtype == torch.bfloat16 and y.shape == (2, m, 64)
+    assert ((y.double() - expected).abs() <= 2 ** -8 * expected.abs() + 1e-6).all()
+
+
+def test_every_row_count_and_an_empty_batch():
+    w = random_quantized(70, 64, 8, 32, seed=4)
+    layer = QuantLinear(w, None, torch.float32)
+    assert layer.mode == "packed"
+    assert layer(torch.randn(0, 64)).shape == (0, 70)
+    for m in range(1, 41):
+        x = torch.randn(m, 64)
+        expected = x.double() @ w.dequantize().double().T
+        assert (layer(x).double() - expected).abs().max() < 1e-5 * expected.abs().max(), m
+
+
+def test_rtn_int4_layer_equals_its_dequantized_weights():
+    full = torch.randn(96, 128) * 0.05
+    w = quantize_rtn(full, "int4_g128")
+    x = torch.randn(5, 128)
+    y = QuantLinear(w, torch.zeros(96), torch.float32)(x)
+    assert (y - F.linear(x, w.dequantize())).abs().max() < 1e-5
+    assert (y - F.linear(x, full)).abs().max() > 1e-4  # and really quantized
+
+
+def test_packing_rejects_codes_out_of_range_and_ragged_groups():
+    quant_library()
+    with pytest.raises(RuntimeError, match="0..15"):
+        torch.ops.attnserve.pack_quant(torch.full((4, 32), 16, dtype=torch.int8), torch.ones(4, 1), None, 4, 32)
+    with pytest.raises(RuntimeError, match="multiple of the group"):
+        torch.ops.attnserve.pack_quant(torch.zeros(4, 40, dtype=torch.int8), torch.ones(4, 1), None, 8, 32)
+    codes, scales, offsets = torch.ops.attnserve.pack_quant(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2),
+                                                            None, 8, 32)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.attnserve.quant_linear(torch.zeros(1, 32), codes, scales, offsets, None, 8, 32, 4)
+
+
+def test_embedding_gathers_dequantized_rows():
+    w = random_quantized(50, 64, 8, 16, offsets=False, seed=5)
+    table = QuantEmbedding(w, torch.float32)
+    ids = torch.tensor([0, 49, 7, 7])
+    assert torch.equal(table(ids), w.dequantize()[ids])
+    assert table.weight.dtype == torch.float32
+
+
+def test_without_the_kernel_weights_are_dequantized_once(monkeypatch):
+    """No compiler: the layer keeps the dequantized matrix and answers the same."""
+    import models.quant_linear as ql
+
+    w = random_quantized(40, 64, 4, 32, seed=6)
+    monkeypatch.setattr(ql, "quant_kernel_available", lambda: False)
+    layer = QuantLinear(w, None, torch.float32)
+    assert layer.mode == "dense" and torch.equal(layer.weight, w.dequantize())
+    x = torch.randn(3, 64)
+    assert torch.allclose(layer(x), F.linear(x, w.dequantize()))
