@@ -55,6 +55,7 @@ def _engine_config(args: argparse.Namespace, model: str = "default"):
 
     return EngineConfig(
         model=model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+        quantization=args.quantization, memory_budget=args.memory_budget,
         kv_cache_memory=None if args.num_blocks else args.kv_cache_memory, num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, num_threads=args.threads, enforce_eager=args.enforce_eager,
@@ -86,11 +87,13 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-EVAL_KEYS = ("model", "attention", "kv_heads", "kv_cache_dtype", "kv_bytes_per_token", "perplexity")
+EVAL_KEYS = ("model", "attention", "kv_heads", "kv_cache_dtype", "kv_bytes_per_token", "quantization", "weight_bytes",
+             "perplexity")
 
 
 def _eval(args: argparse.Namespace) -> int:
-    """Perplexity against KV bytes per token, one row per model (e.g. a model's MHA / GQA / MQA forms)."""
+    """Perplexity against KV bytes per token and weight bytes, one row per model (e.g. a model's MHA / GQA /
+    MQA forms) and weight quantization."""
     import json
 
     import torch
@@ -108,9 +111,10 @@ def _eval(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     text = open(args.text, encoding="utf-8").read() if args.text else held_out_text()
     rows = []
-    for name in args.model or ["default"]:
+    runs = [(name, q) for name in args.model or ["default"] for q in dict.fromkeys(args.quantization)]
+    for name, quantization in runs:
         path = resolve_model(name)
-        model = load_for_serving(path, args.dtype)
+        model = load_for_serving(path, args.dtype, quantization=quantization)
         cfg = model.config
         tokenizer = load_tokenizer(path)
         ids = tokenizer(text)["input_ids"]
@@ -121,16 +125,21 @@ def _eval(args: argparse.Namespace) -> int:
         num_blocks = -(-min(args.window, cfg.max_position_embeddings) // spec.block_size)
         cache = PagedKVCache(spec, num_blocks, model.device, scales_for(model, kv_dtype, tokenizer))
         ppl = perplexity(model, ids, args.window, args.stride, lambda n: PagedAttention.one_sequence(cache, n))
+        # NOTE: the row carries the weights' format as loaded (model.quantization: e.g. auto -> a GGUF's types)
         rows.append({"model": name, "attention": cfg.attention_kind, "kv_heads": cfg.num_kv_heads,
                      "kv_cache_dtype": dtype_name(kv_dtype), "kv_bytes_per_token": spec.bytes_per_token,
-                     "perplexity": ppl})
-        print(f"{name}: {len(ids)} tokens, perplexity {rows[-1]['perplexity']:.4f}", file=sys.stderr, flush=True)
+                     "quantization": model.quantization, "weight_bytes": model.weight_bytes(), "perplexity": ppl})
+        print(f"{name} ({model.quantization}): {len(ids)} tokens, perplexity {rows[-1]['perplexity']:.4f}",
+              file=sys.stderr, flush=True)
+        compute_dtype = model.cpu_path.dtype
+        del model, cache  # one model's weights at a time
     source = args.text or f"{HELD_OUT_PLAY} (held out)"
-    print(f"text: {source}; window {args.window}, stride {args.stride}, dtype {model.cpu_path.dtype}")
-    print(f"{'model':40} {'attention':9} {'kv heads':>8} {'kv dtype':>9} {'kv B/token':>10} {'perplexity':>11}")
+    print(f"text: {source}; window {args.window}, stride {args.stride}, dtype {compute_dtype}")
+    print(f"{'model':40} {'attention':9} {'kv heads':>8} {'kv dtype':>9} {'kv B/token':>10} {'weights':>12} "
+          f"{'weight bytes':>13} {'perplexity':>11}")
     for r in rows:
         print(f"{r['model']:40} {r['attention']:9} {r['kv_heads']:8d} {r['kv_cache_dtype']:>9} "
-              f"{r['kv_bytes_per_token']:10d} {r['perplexity']:11.4f}")
+              f"{r['kv_bytes_per_token']:10d} {r['quantization']:>12} {r['weight_bytes']:13d} {r['perplexity']:11.4f}")
     rows = [{k: r[k] for k in EVAL_KEYS} for r in rows]
     print(f"rows kept for the dashboard in {eval_results.save(rows)}")
     if args.json:
@@ -280,12 +289,33 @@ def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
                         "AVX512-BF16), else float32 (`attnserve env` shows the choice)")
 
 
+_QUANTIZATION_HELP = ("weights as served: auto (a GGUF keeps its stored types, safetensors stay unquantized), none "
+                      "(dequantize), int8 (per output channel), int4 (groups of 32), int4_g128 (groups of 128)")
+
+
+def _add_quantization_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
+    from models.cpu_path import QUANTIZATIONS
+
+    default = _defaults_engine()["quantization"]
+    if several:
+        p.add_argument("--quantization", nargs="+", choices=QUANTIZATIONS, default=[default], metavar="Q",
+                       help=_QUANTIZATION_HELP + "; several give one row each, e.g. --quantization none int8 int4 "
+                            f"(choices: {', '.join(QUANTIZATIONS)})")
+    else:
+        p.add_argument("--quantization", choices=QUANTIZATIONS, default=default, help=_QUANTIZATION_HELP)
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d = _defaults_engine()
     _add_dtype_arg(p)
     _add_kv_dtype_arg(p)
+    _add_quantization_arg(p)
+    p.add_argument("--memory-budget", default=d["memory_budget"],
+                   help="bytes for weights + KV cache per engine, e.g. 1.5GiB: with --kv-cache-memory auto the KV "
+                        "pool is this minus the weights as served (quantized weights leave more for KV blocks)")
     kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-memory", default=d["kv_cache_memory"], help="KV cache budget, e.g. 1GiB or 512MiB")
+    kv.add_argument("--kv-cache-memory", default=d["kv_cache_memory"],
+                    help="KV cache budget, e.g. 1GiB or 512MiB; auto: --memory-budget minus the weights' bytes")
     kv.add_argument("--num-blocks", type=int, help="exact number of KV blocks (overrides --kv-cache-memory)")
     p.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per KV block")
     p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
@@ -328,16 +358,18 @@ def build_parser() -> argparse.ArgumentParser:
     from server.serve_config import ServeConfig
 
     sd, ld = _defaults(ServeConfig), _defaults(ApiLimits)
-    ev = sub.add_parser("eval", help="perplexity on a held-out text per model: quality against KV bytes per token")
+    ev = sub.add_parser("eval", help="perplexity on a held-out text per model and weight quantization: quality "
+                                     "against KV bytes per token and weight bytes")
     ev.add_argument("--model", action="append", help="checkpoint directory, .gguf file or model name (repeat it)")
     ev.add_argument("--text", help="a UTF-8 text file (default: a Shakespeare play no load-test workload uses)")
     _add_dtype_arg(ev)
     _add_kv_dtype_arg(ev)
+    _add_quantization_arg(ev, several=True)
     ev.add_argument("--window", type=int, default=1024, help="tokens per window")
     ev.add_argument("--stride", type=int, default=512, help="tokens between window starts")
     ev.add_argument("--threads", type=int, help="torch threads")
     ev.add_argument("--json", help="write the rows here: model, attention, kv_heads, kv_cache_dtype, "
-                                   "kv_bytes_per_token, perplexity")
+                                   "kv_bytes_per_token, quantization, weight_bytes, perplexity")
     ev.set_defaults(func=_eval)
 
     env = sub.add_parser("env", help="what a bug report needs: CPU, ISA level, torch / oneDNN / compiler "

@@ -7,7 +7,14 @@ import os
 import tempfile
 from pathlib import Path
 
-KEY = ("model", "kv_cache_dtype")  # a later run of the same model and KV dtype replaces the row
+# a later run of the same model, KV dtype and weight format replaces the row
+KEY = ("model", "kv_cache_dtype", "quantization")
+# NOTE: rows written before weights could be quantized lack the field: their weights were served dequantized
+_MISSING = {"quantization": "none"}
+
+
+def _key(row: dict) -> tuple:
+    return tuple(row.get(k, _MISSING.get(k)) for k in KEY)
 
 
 def results_path() -> Path:
@@ -25,8 +32,8 @@ def load() -> list[dict]:
 
 def save(rows: list[dict]) -> Path:
     """Merge `rows` into the results file (atomically)."""
-    merged = {tuple(r.get(k) for k in KEY): r for r in load()}
-    merged.update({tuple(r[k] for k in KEY): r for r in rows})
+    merged = {_key(r): r for r in load()}
+    merged.update({_key(r): r for r in rows})
     path = results_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:

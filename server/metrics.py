@@ -167,7 +167,8 @@ class MetricsRecorder:
             },
             "static": {"kv_bytes_per_token": info.kv_bytes_per_token, "block_size": info.block_size,
                        "num_heads": info.num_heads, "num_blocks": info.num_blocks,
-                       "max_model_len": info.max_model_len},
+                       "max_model_len": info.max_model_len, "quantization": info.quantization,
+                       "weight_bytes": info.weight_bytes},
             "histograms": hist,
             "recent": recent,
         }
@@ -218,6 +219,10 @@ class _SnapshotCollector:
             "replicas": GaugeMetricFamily(f"{PREFIX}_replicas", "Live replicas reporting", labels=labels),
             "memory": GaugeMetricFamily(f"{PREFIX}_replica_resident_memory_bytes",
                                         "Resident memory of the model replicas (summed)", labels=labels),
+            # NOTE: per replica, not summed: what one engine's weights take as served, next to its KV pool
+            "weight_bytes": GaugeMetricFamily(f"{PREFIX}_model_weight_bytes",
+                                              "Bytes one replica's weights take as served (quantization: their format)",
+                                              labels=labels + ["quantization"]),
         }
         counters = {name: CounterMetricFamily(f"{PREFIX}_{name}", help_, labels=labels) for name, help_ in COUNTERS.items()}
         finished = CounterMetricFamily(f"{PREFIX}_requests", "Finished requests by reason", labels=labels + ["finish_reason"])
@@ -240,6 +245,9 @@ class _SnapshotCollector:
             g["requests_waiting"].add_metric(lv, gs("requests_waiting"))
             g["replicas"].add_metric(lv, len(live))
             g["memory"].add_metric(lv, gs("resident_memory_bytes"))
+            weights = _weights(snaps)
+            if weights is not None:  # older replicas' snapshots lack it
+                g["weight_bytes"].add_metric(lv + [weights[0]], weights[1])
             for name, fam in counters.items():
                 fam.add_metric(lv, sum(s["counters"][name] for s in snaps))
             for field, fam in (("finish_reasons", finished), ("errors", errors)):
@@ -285,6 +293,12 @@ def render_prometheus(snapshots: list[dict], now: float | None = None) -> bytes:
     return generate_latest(registry)
 
 
+def _weights(snaps: list[dict]) -> tuple[str, int] | None:
+    """(quantization, weight bytes) of a model's replicas: the newest report's (all load the same)."""
+    statics = [s["static"] for s in sorted(snaps, key=lambda s: s["time"]) if "weight_bytes" in s["static"]]
+    return (str(statics[-1]["quantization"]), int(statics[-1]["weight_bytes"])) if statics else None
+
+
 def _forms(static: dict, kv_heads: int) -> list[dict]:
     """MHA / GQA / MQA what-if rows for one replica's pool (older snapshots lack the head count)."""
     if not static.get("num_heads") or not static.get("num_blocks"):
@@ -308,10 +322,12 @@ def dashboard_data(snapshots: list[dict], now: float | None = None) -> dict[str,
         live = fresh(snaps, now)
         static = snaps[0]["static"]
         recent = sorted((r for s in snaps for r in s["recent"]), key=lambda r: r[0])[-2000:]
+        weights = _weights(snaps) or (None, None)
         models.append({
             "model": model, "attention": attention, "kv_heads": int(kv_heads), "kv_cache_dtype": kv_cache_dtype,
             "kv_bytes_per_token": static["kv_bytes_per_token"], "block_size": static["block_size"],
             "max_model_len": static["max_model_len"],
+            "quantization": weights[0], "weight_bytes": weights[1],
             "kv_blocks_total": sum(s["gauges"]["kv_blocks_total"] for s in live),
             "kv_blocks_used": sum(s["gauges"]["kv_blocks_used"] for s in live),
             "requests_running": sum(s["gauges"]["requests_running"] for s in live),

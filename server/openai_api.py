@@ -165,7 +165,8 @@ class OpenAIApi:
             data.append({"id": name, "object": "model", "created": 0, "owned_by": "attnserve",
                          "max_model_len": info.max_model_len, "attention": info.attention,
                          "num_kv_heads": info.num_kv_heads, "kv_bytes_per_token": info.kv_bytes_per_token,
-                         "kv_cache_dtype": info.kv_cache_dtype, "cpu_path": info.cpu_path.as_dict()})
+                         "kv_cache_dtype": info.kv_cache_dtype, "quantization": info.quantization,
+                         "weight_bytes": info.weight_bytes, "cpu_path": info.cpu_path.as_dict()})
         return {"object": "list", "data": data}
 
     async def health(self) -> dict[str, bool]:

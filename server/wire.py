@@ -114,6 +114,8 @@ class ModelInfo:
     num_heads: int  # query heads: with num_kv_heads, what MHA / GQA / MQA forms would cost
     kv_cache_dtype: str  # the pool's storage: bfloat16, float32, fp8_e4m3 or fp8_e5m2
     cpu_path: CpuPath  # how the engine computes on its machine (ISA, dtype, linears, attention kernel)
+    quantization: str  # the weights as served: none, int8, int4_g32, int4_g128, or a GGUF's types (Q4_1+Q8_0)
+    weight_bytes: int  # bytes the weights take as served (with kv_cache_memory auto: memory_budget - this = KV pool)
 
 
 # ---- replica <-> engine process ------------------------------------------------------------------

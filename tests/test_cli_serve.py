@@ -61,7 +61,8 @@ def test_make_serve_answers_the_readme_snippets_and_stops_on_sigterm():
 
 def test_serve_run_deploy_serve_yaml_with_an_8bit_kv_cache(tmp_path):
     """serve.yaml as shipped, with its `kv_cache_dtype` switched to fp8_e4m3: the pool holds twice
-    bf16's blocks in the same 1GiB, and /v1/models, usage and /metrics say so."""
+    bf16's blocks in what the memory budget leaves after the weights, and /v1/models, usage and
+    /metrics say so."""
     port = free_port()
     config = (ROOT / "deploy" / "serve.yaml").read_text().replace("port: 8000", f"port: {port}")
     assert "kv_cache_dtype: auto" in config
@@ -84,4 +85,8 @@ def test_serve_run_deploy_serve_yaml_with_an_8bit_kv_cache(tmp_path):
                    for s in fam.samples}
         labels = (("attention", "gqa"), ("kv_cache_dtype", "fp8_e4m3"), ("kv_heads", "3"), ("model", "default"))
         assert samples[("attnserve_kv_bytes_per_token", labels)] == per_token
-        assert samples[("attnserve_kv_blocks", (*labels, ("state", "total")))] == 2**30 // (16 * per_token)
+        weights = ("attnserve_model_weight_bytes", (*labels, ("quantization", model["quantization"])))
+        assert samples[weights] == model["weight_bytes"] > 0
+        budget = int(1.5 * 2**30)  # serve.yaml's memory_budget, kv_cache_memory auto
+        assert samples[("attnserve_kv_blocks", (*labels, ("state", "total")))] == \
+            (budget - model["weight_bytes"]) // (16 * per_token)

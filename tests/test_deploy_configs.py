@@ -36,6 +36,23 @@ def test_serve_yaml_args_are_a_valid_serve_config():
         ServeConfig.from_args({**app["args"], "router": "random"})
 
 
+def test_serve_yaml_engine_takes_quantization_and_memory_budget():
+    (app,) = serve_yaml()["applications"]
+    engine = app["args"]["engine"]
+    assert (engine["quantization"], engine["kv_cache_memory"]) == ("auto", "auto")
+    cfg = ServeConfig.from_args(app["args"]).engine_config("default")
+    assert (cfg.quantization, cfg.kv_cache_memory, cfg.memory_budget) == ("auto", "auto", int(1.5 * 2**30))
+    for q in ("none", "int8", "int4", "int4_g128"):
+        one = ServeConfig.from_args({**app["args"], "engine": {**engine, "quantization": q}}).engine_config("m")
+        assert one.quantization == q
+    big = ServeConfig.from_args({**app["args"], "engine": {**engine, "memory_budget": "4GiB"}})
+    assert big.engine_config("m").memory_budget == 4 * 2**30
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8, int4, int4_g128"):
+        ServeConfig.from_args({**app["args"], "engine": {**engine, "quantization": "int2"}})
+    with pytest.raises(ValueError, match="memory_budget: cannot parse size"):
+        ServeConfig.from_args({**app["args"], "engine": {**engine, "memory_budget": "plenty"}})
+
+
 def test_rayservice_embeds_serve_yaml_application():
     svc = yaml.safe_load((DEPLOY / "kuberay" / "rayservice.yaml").read_text())
     assert svc["kind"] == "RayService" and svc["apiVersion"] == "ray.io/v1"

@@ -102,6 +102,33 @@ def test_eval_rows_merge_in_the_cache(tmp_path, monkeypatch):
     assert eval_results.results_path().parent == tmp_path / "eval"
 
 
+def test_weight_bytes_gauge_and_dashboard_fields():
+    a, b = snapshot("a", "gqa", 2), snapshot("a", "gqa", 2, age=1.0)
+    for snap in (a, b):
+        snap["static"].update(quantization="int8", weight_bytes=123_456)
+    s = parse(render_prometheus([a, b, snapshot("old", "mqa", 1)]))  # "old": a replica from before quantization
+    assert value(s, "attnserve_model_weight_bytes", model="a", quantization="int8", kv_heads="2") == 123_456  # not summed
+    assert not [k for k in s if k[0] == "attnserve_model_weight_bytes" and dict(k[1])["model"] == "old"]
+    data = {m["model"]: m for m in dashboard_data([a, b, snapshot("old", "mqa", 1)])["models"]}
+    assert (data["a"]["quantization"], data["a"]["weight_bytes"]) == ("int8", 123_456)
+    assert (data["old"]["quantization"], data["old"]["weight_bytes"]) == (None, None)
+    assert shutil.which("promtool"), "promtool missing: `make test` installs Debian's prometheus package"
+    res = subprocess.run(["promtool", "check", "metrics"], input=render_prometheus([a, b]), capture_output=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_eval_rows_merge_per_weight_format(tmp_path, monkeypatch):
+    from server import eval_results
+
+    monkeypatch.setenv("ATTNSERVE_CACHE_DIR", str(tmp_path))
+    old = {"model": "m", "attention": "gqa", "kv_heads": 2, "kv_cache_dtype": "bfloat16", "kv_bytes_per_token": 8,
+           "perplexity": 3.0}  # written before rows had a weight format: its weights were served dequantized
+    eval_results.save([old])
+    new = {**old, "quantization": "none", "weight_bytes": 1000, "perplexity": 2.9}
+    eval_results.save([new, {**new, "quantization": "int8", "weight_bytes": 300, "perplexity": 3.1}])
+    assert sorted((r["quantization"], r["perplexity"]) for r in eval_results.load()) == [("int8", 3.1), ("none", 2.9)]
+
+
 def test_dashboard_lists_replicas_per_node():
     snaps = [{**snapshot("a", "gqa", 2), "replica": r, "node": n} for r, n in (("r2", "nB"), ("r1", "nA"), ("r3", "nA"))]
     (model,) = dashboard_data(snaps)["models"]

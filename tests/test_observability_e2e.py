@@ -104,6 +104,19 @@ def test_two_replicas_are_summed(traffic):
     assert total(after, "attnserve_kv_blocks", model="tiny-gqa", state="used") == 0  # all requests ended
 
 
+def test_weight_bytes_gauge_per_model(serve_url, traffic):
+    """attnserve_model_weight_bytes: one replica's weights (not summed over tiny-gqa's two), labelled
+    with their format; the same numbers /v1/models gives."""
+    _, after, _, _ = traffic
+    models = {m["id"]: m for m in httpx.get(f"{serve_url}/v1/models", timeout=30).json()["data"]}
+    for model in MODELS:
+        (labels,) = [dict(ls) for (n, ls), _ in after.items() if n == "attnserve_model_weight_bytes"
+                     and dict(ls)["model"] == model]
+        assert labels["quantization"] == models[model]["quantization"] == "none"
+        assert total(after, "attnserve_model_weight_bytes", model=model) == models[model]["weight_bytes"] > 0
+        assert labels["kv_heads"] == str(MODELS[model]) and labels["kv_cache_dtype"] == "float32"
+
+
 def test_promtool_check_metrics(serve_url, traffic):
     text = httpx.get(f"{serve_url}/metrics").content
     res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True)
@@ -170,6 +183,11 @@ def test_dashboard_draws_every_model_in_headless_chromium(serve_url, traffic, tm
     assert re.search(r'<table id="eval">.+?</table>', dom, re.S)
     for model, kv_heads in MODELS.items():  # labels carry the KV cache's storage dtype
         assert f"<td>{model} ({model[5:].upper()}, {kv_heads} kv, float32)</td>" in dom
+    weights = {m["id"]: m["weight_bytes"] for m in httpx.get(f"{serve_url}/v1/models", timeout=30).json()["data"]}
+    models_table = re.search(r'<table id="models">(.*?)</table>', dom, re.S).group(1)
+    for model, n in weights.items():  # each model's row: its weights' format and bytes
+        row = next(r for r in models_table.split("<tr>") if f"<td>{model} (" in r)
+        assert f'data-weight-bytes="{n}" data-quantization="none">{n / 2**20:.1f} MiB, none</td>' in row, row
     OUTPUT.mkdir(exist_ok=True)
     shot = OUTPUT / "dashboard.png"
     res = chromium(f"--user-data-dir={tmp_path / 'profile2'}", f"--screenshot={shot}", f"{serve_url}/dashboard")

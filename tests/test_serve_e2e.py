@@ -36,6 +36,19 @@ def test_models_and_health(serve_url, client):
     assert (info["tiny-mha"]["num_kv_heads"], info["tiny-gqa"]["num_kv_heads"], info["tiny-mqa"]["num_kv_heads"]) == (4, 2, 1)
 
 
+def test_models_report_the_weights_as_served(serve_url, tiny_variants):
+    """quantization auto on safetensors: unquantized; weight_bytes: what the engine's model.weight_bytes()
+    gives for that checkpoint here (MHA's wider K/V projections take more)."""
+    from models.loader import load_for_serving
+
+    info = {m["id"]: m for m in httpx.get(f"{serve_url}/v1/models").json()["data"]}
+    for name, path in tiny_variants.items():
+        model = load_for_serving(path, "float32")  # as the replicas' engines load it (EngineConfig dtype float32)
+        assert (info[name]["quantization"], info[name]["weight_bytes"]) == (model.quantization, model.weight_bytes())
+        assert info[name]["quantization"] == "none"
+    assert info["tiny-mha"]["weight_bytes"] > info["tiny-gqa"]["weight_bytes"] > info["tiny-mqa"]["weight_bytes"]
+
+
 def test_completion_and_chat(client):
     c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert c.object == "text_completion" and c.choices[0].text and c.choices[0].finish_reason in ("stop", "length")

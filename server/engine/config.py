@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from models.cpu_path import DTYPES
+from models.cpu_path import DTYPES, QUANTIZATIONS
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
@@ -21,6 +21,24 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def _positive_size(name: str, value: int | str) -> int:
+    try:
+        size = parse_size(value)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    if size <= 0:
+        raise ValueError(f"{name} must be positive, not {value!r}")
+    return size
+
+
+def format_size(n: int) -> str:
+    """Bytes for people: '1.50 GiB', '135.3 MiB', '512 B'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{n} B"
+
+
 CUDA_BLOCK_SIZE = 256
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype; fp8: 8-bit floats, scaled
 
@@ -31,7 +49,13 @@ class EngineConfig:
     dtype: str = "auto"  # auto: the checkpoint's where this CPU computes it natively (models/cpu_path.py)
     kv_cache_dtype: str = "auto"
     block_size: int = 16
-    kv_cache_memory: int | str | None = "1GiB"  # ignored when num_blocks is given
+    # weights: auto keeps a GGUF's stored types (safetensors: unquantized), none dequantizes, int8 per
+    # output channel, int4 in groups of 32, int4_g128 in groups of 128 (models/cpu_path.py)
+    quantization: str = "auto"
+    memory_budget: int | str = "1.5GiB"  # weights + KV pool, when kv_cache_memory is auto
+    # auto: the KV pool gets memory_budget - the weights' bytes as served (LLMEngine), so lighter
+    # weights buy more blocks; a size (e.g. 1GiB) is the pool itself; ignored when num_blocks is given
+    kv_cache_memory: int | str | None = "auto"
     num_blocks: int | None = None
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 64
@@ -45,10 +69,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a positive power of two")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
+        object.__setattr__(self, "memory_budget", _positive_size("memory_budget", self.memory_budget))
         if self.num_blocks is None:
             if self.kv_cache_memory is None:
-                raise ValueError("give kv_cache_memory or num_blocks")
-            object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
+                raise ValueError("give kv_cache_memory (a size or auto) or num_blocks")
+            if self.kv_cache_memory != "auto":
+                object.__setattr__(self, "kv_cache_memory", _positive_size("kv_cache_memory", self.kv_cache_memory))
         elif self.num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
         if self.max_num_seqs <= 0:
@@ -69,3 +97,19 @@ class EngineConfig:
         # NOTE: on CUDA, attention reads the pool with Flash's paged kernel, whose pages are 256 tokens
         if self.device.startswith("cuda") and self.block_size % CUDA_BLOCK_SIZE:
             raise ValueError(f"on CUDA block_size must be a multiple of {CUDA_BLOCK_SIZE} (Flash's paged KV kernel)")
+
+    def kv_budget(self, weight_bytes: int, weights_format: str | None = None) -> int:
+        """The KV pool's bytes for a model whose weights take `weight_bytes` as served (in
+        `weights_format`, e.g. int8): kv_cache_memory when it is a size, else memory_budget - weight_bytes.
+        Unused when num_blocks is given."""
+        if self.kv_cache_memory != "auto":
+            return int(self.kv_cache_memory)
+        left = self.memory_budget - weight_bytes
+        if left <= 0:
+            raise ValueError(
+                f"memory_budget ({self.memory_budget} bytes, {format_size(self.memory_budget)}) leaves no room for a "
+                f"KV cache: the model's weights take {weight_bytes} bytes ({format_size(weight_bytes)}) as served "
+                f"(quantization {weights_format or self.quantization!r}); raise memory_budget (--memory-budget), "
+                "quantize the weights (--quantization int8 / int4), or size the pool yourself with kv_cache_memory "
+                "or num_blocks")
+        return left

@@ -18,7 +18,7 @@ from models.loader import load_for_serving, load_tokenizer
 from models.registry import resolve_model
 from models.transformer import DecoderLM
 from server.engine.admission import validate_request
-from server.engine.config import EngineConfig
+from server.engine.config import EngineConfig, format_size
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.errors import InvalidRequestError
 from server.engine.model_runner import ModelRunner
@@ -51,7 +51,7 @@ class LLMEngine:
         self.config = config
         if model is None:
             path = resolve_model(config.model)
-            model = load_for_serving(path, config.dtype, config.device)
+            model = load_for_serving(path, config.dtype, config.device, quantization=config.quantization)
             tokenizer = tokenizer or load_tokenizer(path)
         else:  # a model the caller loaded: its dtype is the one asked for
             dtype = dtype_name(model.dtype)
@@ -66,7 +66,22 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.dtype)
         self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, config.block_size)
-        num_blocks = config.num_blocks or self.kv_spec.num_blocks_for(config.kv_cache_memory)
+        # NOTE: weight_bytes is what the weights take as served (quantized, packed): with kv_cache_memory
+        # auto the pool is memory_budget minus that, so every byte quantization saves becomes KV blocks
+        self.weight_bytes = model.weight_bytes()
+        if config.num_blocks:
+            num_blocks = config.num_blocks
+        else:
+            budget = config.kv_budget(self.weight_bytes, model.quantization)
+            try:
+                num_blocks = self.kv_spec.num_blocks_for(budget)
+            except ValueError as e:
+                raise ValueError(f"{e}; weights {format_size(self.weight_bytes)}, memory_budget "
+                                 f"{format_size(config.memory_budget)}, kv_cache_memory {config.kv_cache_memory}: "
+                                 "raise memory_budget or kv_cache_memory, or give num_blocks") from None
+        logger.info("attnserve memory: weights %s (%s), KV pool %d blocks of %d tokens (%s)",
+                    format_size(self.weight_bytes), model.quantization, num_blocks, config.block_size,
+                    format_size(num_blocks * self.kv_spec.bytes_per_block))
         self.cache = PagedKVCache(self.kv_spec, num_blocks, model.device, scales_for(model, kv_dtype, tokenizer))
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
@@ -78,7 +93,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.info = ModelInfo(self.max_model_len, cfg.attention_kind, cfg.num_kv_heads, self.kv_spec.bytes_per_token,
                               cfg.vocab_size, config.block_size, num_blocks, cfg.num_heads, dtype_name(kv_dtype),
-                              self.cpu_path)
+                              self.cpu_path, model.quantization, self.weight_bytes)
         self.groups: dict[str, list[Request]] = {}
         self.num_steps = 0
         self.num_step_errors = 0
