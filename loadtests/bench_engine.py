@@ -6,10 +6,17 @@ Systems (--systems, run one after another, each measured the same way):
   attnserve          our engine (compiled step, paged KV, continuous batching)
   attnserve_eager    the same with --enforce-eager
   attnserve_fp8      the same with an 8-bit KV cache (--kv-cache-dtype fp8_e4m3)
+  attnserve_int8     the same with int8 weights (--quantization int8: per channel, round to nearest)
+  attnserve_int4     the same with int4 weights (--quantization int4: groups of 32)
   vllm               vLLM's CPU build (`make peers`: .venv-peers), both cores for its OpenMP threads
   vllm_default       vLLM with its default binding (one core for the model, one kept for its frontend)
-  llamacpp           llama.cpp's llama-bench (`make peers`) on a bf16 GGUF of the same weights: batch-1
-                     decode (tg128) and prefill of the same prompt length; it has no batched workload
+  llamacpp           llama.cpp's llama-bench (`make peers`) on a GGUF of the same weights: batch-1
+                     decode (tg128) and prefill of the same prompt length; it has no batched workload.
+                     Its GGUF: --gguf, else the file attnserve reads (--model FILE.gguf, or the default
+                     model with --quantization auto: the shipped Q4_1 file), else `make peers`' bf16 one
+`--quantization` (default none: the same bf16 weights as vLLM and transformers) is attnserve's:
+auto serves a GGUF's matrices as stored, e.g.
+    python loadtests/bench_engine.py --model default --quantization auto --systems attnserve,llamacpp
   hf_generate        transformers `model.generate`, static padded batches
   hf_generate_batch  transformers `model.generate_batch` (its continuous batching, paged attention)
 `--dtype auto` (the default) is resolved once, as the engine resolves it on this CPU, and every
@@ -48,12 +55,12 @@ import torch  # noqa: E402
 from loadtests.engine_timing import EngineAdapter, decode_step_ms, step_timings  # noqa: E402
 from loadtests.servers import peer_isa_env  # noqa: E402
 from models import load_tokenizer, resolve_model  # noqa: E402
-from models.cpu_path import DTYPES  # noqa: E402
+from models.cpu_path import DTYPES, QUANTIZATIONS  # noqa: E402
 from models.loader import parse_dtype, serving_dtype  # noqa: E402
 from models.native import machine_isa  # noqa: E402
 from server.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
-SYSTEMS = ("attnserve", "attnserve_eager", "attnserve_fp8", "vllm", "vllm_default", "llamacpp", "hf_generate",
+SYSTEMS = ("attnserve", "attnserve_eager", "attnserve_fp8", "attnserve_int8", "attnserve_int4", "vllm", "vllm_default", "llamacpp", "hf_generate",
            "hf_generate_batch")
 DEFAULT_SYSTEMS = "attnserve,vllm,vllm_default,llamacpp,hf_generate,hf_generate_batch"
 STEP_BATCHES = (1, 8, 32)
@@ -94,13 +101,17 @@ def _linears(model: torch.nn.Module):
 def streamed_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a batch-1 decode step must read: every weight except the embedding table,
     of which it reads one row (a tied LM head still reads it once, as the head)."""
+    from models.quant_linear import QuantEmbedding
+
     total = 0
     for m in model.modules():
-        if hasattr(m, "packed"):
-            total += m.packed.numel() * m.packed.element_size()
-        for name, p in m.named_parameters(recurse=False):
-            if not isinstance(m, torch.nn.Embedding):
-                total += p.numel() * p.element_size()
+        if isinstance(m, (torch.nn.Embedding, QuantEmbedding)):
+            continue
+        for name, b in m.named_buffers(recurse=False):
+            if name in ("packed", "codes", "scales", "offsets", "weight"):  # the linears' weights, as stored
+                total += b.numel() * b.element_size()
+        for p in m.parameters(recurse=False):
+            total += p.numel() * p.element_size()
     return total
 
 
@@ -122,17 +133,20 @@ def _adapter(engine: LLMEngine) -> EngineAdapter:
         busy=engine.has_unfinished, reset=engine.kv.pool.reset_prefix_cache)
 
 
-def _engine_config(args, eager: bool, num_prompts: int, kv_cache_dtype: str = "auto") -> EngineConfig:
+def _engine_config(args, eager: bool, num_prompts: int, kv_cache_dtype: str = "auto",
+                   quantization: str | None = None) -> EngineConfig:
     # NOTE: enforce_eager / kv_cache_dtype only when set, so this script also measures engines older than the flags
     return EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                         max_num_seqs=max(64, num_prompts), max_num_batched_tokens=args.max_num_batched_tokens,
+                        quantization=quantization or args.quantization,
                         **({"enforce_eager": True} if eager else {}),
                         **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {}))
 
 
-def bench_attnserve(args, prompts, steps, eager: bool = False, kv_cache_dtype: str = "auto") -> dict:
+def bench_attnserve(args, prompts, steps, eager: bool = False, kv_cache_dtype: str = "auto",
+                    quantization: str | None = None) -> dict:
     start = time.perf_counter()
-    engine = LLMEngine(_engine_config(args, eager, len(prompts), kv_cache_dtype))
+    engine = LLMEngine(_engine_config(args, eager, len(prompts), kv_cache_dtype, quantization))
     startup = time.perf_counter() - start
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm-up
@@ -152,6 +166,7 @@ def bench_attnserve(args, prompts, steps, eager: bool = False, kv_cache_dtype: s
             "runs_tokens_per_s": runs, **timings, "startup_s": startup,
             "compile_s": getattr(engine.runner, "compile_seconds", 0.0), "roofline_tokens_per_s": bw / wbytes,
             "weight_bytes": wbytes, "copy_bandwidth_gb_s": bw / 1e9, "cpu_path": engine.cpu_path.describe(),
+            "resident_weight_bytes": engine.model.weight_bytes(), "quantization": engine.model.quantization,
             "prefill_flops": prefill_flops(engine.model, len(steps["prefill_prompt"]))}
 
 
@@ -212,7 +227,7 @@ def bench_vllm(args, prompts, steps, default_binding: bool = False) -> dict:
 def bench_llamacpp(args) -> dict:
     """llama-bench: batch-1 decode of 128 tokens and a prefill of --prefill-tokens, medians of --repeats."""
     bench = Path(args.llama_bench or ROOT / ".peers" / f"llama.cpp-{llama_cpp_isa()}" / "bin" / "llama-bench")
-    gguf = Path(args.gguf or ROOT / ".peers" / "smollm2-135m-instruct-bf16.gguf")
+    gguf = Path(args.gguf or served_gguf(args) or ROOT / ".peers" / "smollm2-135m-instruct-bf16.gguf")
     for need in (bench, gguf):
         if not need.exists():
             return {"skipped": f"{need} not found: run `make peers` (LLAMA_CPP_ISA=avx2 for an AVX2 build)"}
@@ -228,6 +243,16 @@ def bench_llamacpp(args) -> dict:
     return {"batch1_tokens_per_s": decode, "step_ms": {"1": 1000 / decode},
             "prefill_s": args.prefill_tokens / statistics.median(pp["samples_ts"]), "build": str(bench),
             "gguf": str(gguf), "cpu_info": tg.get("cpu_info", "")}
+
+
+def served_gguf(args) -> Path | None:
+    """The GGUF attnserve's engine reads its weights from in this run, if any."""
+    from models.registry import stored_gguf
+
+    path = resolve_model(args.model)
+    if path.suffix == ".gguf":
+        return path
+    return stored_gguf(path) if args.quantization == "auto" else None
 
 
 def llama_cpp_isa() -> str:
@@ -293,7 +318,8 @@ def bench_hf_generate_batch(args, prompts, model) -> dict:
 def print_table(args, results: dict) -> None:
     ours = results["attnserve"] if "output_tokens_per_s" in results.get("attnserve", {}) else None
     flops = ours["prefill_flops"] if ours else None
-    print(f"\nmodel={args.model} dtype={args.dtype} isa={machine_isa()} threads={args.threads} "
+    print(f"\nmodel={args.model} quantization={args.quantization} dtype={args.dtype} isa={machine_isa()} "
+          f"threads={args.threads} "
           f"requests={args.num_requests} "
           f"prompts={args.min_prompt}-{args.max_prompt} new_tokens={args.max_tokens} repeats={args.repeats}")
     steps = "".join(f"{f'step@{b} ms':>12}" for b in STEP_BATCHES)
@@ -329,6 +355,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: what the engine chooses on this CPU")
+    ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                    help="attnserve's weights (none: as the peers read them; auto: a GGUF's as stored)")
     ap.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, from {', '.join(SYSTEMS)}")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -360,9 +388,11 @@ def main(argv=None) -> dict:
     steps = step_workload(args, vocab)
     results, hf = {}, None
     for name in systems:
-        if name in ("attnserve", "attnserve_eager", "attnserve_fp8"):
+        if name.startswith("attnserve"):
             results[name] = bench_attnserve(args, prompts, steps, eager=name == "attnserve_eager",
-                                            kv_cache_dtype="fp8_e4m3" if name == "attnserve_fp8" else "auto")
+                                            kv_cache_dtype="fp8_e4m3" if name == "attnserve_fp8" else "auto",
+                                            quantization={"attnserve_int8": "int8",
+                                                          "attnserve_int4": "int4"}.get(name))
             if args.startup and name == "attnserve":
                 results[name]["startup"] = startup_times(args)
         elif name in ("vllm", "vllm_default"):
