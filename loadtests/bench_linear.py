@@ -14,6 +14,12 @@ step does, at several token counts M, for each candidate this CPU runs:
   panels fp32        bf16 weights in panels, widened in registers; fp32 activations (`panels`)
   panels bf16        the same panels, bf16 activations: bf16 pair dot products on AVX512-BF16
                      builds, widened to fp32 elsewhere (`panels` in bf16)
+and, for quantized weights (--quantized), torch's own CPU kernels against ours
+(models/csrc/quant_linear.cpp), each with fp32 and bf16 activations:
+  int8 torch         `_weight_int8pack_mm`: int8 weights, one scale per output channel
+  int4 torch         `_weight_int4pack_mm_for_cpu`: int4 in groups of 32, bf16 scales and zeros
+  int8 ours          our kernel on the same int8 weights (`--quantization int8`)
+  Q8_0 / Q4_1 ours   our kernel on a GGUF's formats: int8 / int4 codes in groups of 32, fp16 scales
 
 and prints GFLOP/s, and the milliseconds of one pass at the smallest M (a batch-1 decode step's
 linears). Medians of --repeats.
@@ -63,6 +69,36 @@ def candidates(weights: list[torch.Tensor]) -> dict:
     return out
 
 
+def quantized_candidates(weights: list[torch.Tensor]) -> dict:
+    """torch's int8 / int4 CPU kernels and ours, on weights quantized from the same bf16 ones."""
+    from models.quant_formats import QuantizedTensor, quantize_rtn
+    from models.quant_linear import QuantLinear
+
+    int8 = [quantize_rtn(w, "int8") for w in weights]
+    int4 = [quantize_rtn(w, "int4") for w in weights]
+    out = {}
+    for dtype, suffix in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        calls = [lambda x, q=q.q, s=q.scale.reshape(-1).to(dtype): torch.ops.aten._weight_int8pack_mm(x, q, s)
+                 for q in int8]
+        out[f"int8 torch {suffix}"] = (dtype, calls)
+        calls = []
+        for q in int4:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.q.to(torch.int32), 1)
+            # NOTE: torch's int4 computes (q - 8) * scale + zero
+            zeros = torch.stack([q.scale, q.offset + 8 * q.scale], -1).transpose(0, 1).contiguous().to(dtype)
+            calls.append(lambda x, p=packed, z=zeros: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, 32, z))
+        out[f"int4 torch {suffix}"] = (dtype, calls)
+    fp16 = lambda q: QuantizedTensor(q.q, q.scale.half().float(), None if q.offset is None else  # noqa: E731
+                                     q.offset.half().float(), q.bits, 32, q.kind)
+    q8_0 = [fp16(QuantizedTensor(q.q, q.scale.expand(-1, q.shape[1] // 32).contiguous(), None, 8, 32, "Q8_0"))
+            for q in int8]
+    for name, quantized in (("int8 ours", int8), ("Q8_0 ours", q8_0), ("Q4_1 ours", [fp16(q) for q in int4])):
+        layers = [QuantLinear(q, None, torch.float32) for q in quantized]
+        out[f"{name} fp32"] = (torch.float32, layers)
+        out[f"{name} bf16"] = (torch.bfloat16, layers)
+    return out
+
+
 def time_pass(calls, inputs, repeats: int) -> float:
     def one():
         for call, x in zip(calls, inputs):
@@ -81,6 +117,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", default="1,8,32,512", help="token counts M")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quantized", action="store_true", help="int8 / int4 kernels: torch's and ours")
     ap.add_argument("--slow-limit", type=float, default=20.0, help="skip a candidate at larger M once one pass takes this many s")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -91,9 +128,9 @@ def main(argv=None) -> None:
     print(f"isa={ISA} torch capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads; "
           f"one pass = {len(SHAPES)} linears, {weight_bytes / 1e6:.0f} MB of bf16 weights")
     tokens = [int(t) for t in args.tokens.split(",")]
-    print(f"{'path':<15}" + "".join(f"{f'M={m} GFLOP/s':>16}" for m in tokens) + f"{f'M={tokens[0]} ms/pass':>16}")
-    for name, (dtype, calls) in candidates(weights).items():
-        row, slow, first = f"{name:<15}", False, None
+    print(f"{'path':<16}" + "".join(f"{f'M={m} GFLOP/s':>16}" for m in tokens) + f"{f'M={tokens[0]} ms/pass':>16}")
+    for name, (dtype, calls) in (quantized_candidates if args.quantized else candidates)(weights).items():
+        row, slow, first = f"{name:<16}", False, None
         for m in tokens:
             if slow:
                 row += f"{'-':>16}"

@@ -1,9 +1,10 @@
 """Weight-only quantized linears and embeddings (codes + group scales/offsets, models/quant_formats.py).
 
 On CPU the codes stay packed (models/csrc/quant_linear.cpp): a decode step reads 4 or 8 bits per
-weight instead of 16 or 32. On CUDA, 4-bit groups that fit torch's tinygemm layout and int8 per
-channel use torch's kernels; anything else is dequantized for each call (correct, not fast). Without
-a C++ compiler on CPU the weights are dequantized once at load (the bytes are then not saved).
+weight instead of 16 or 32. On CUDA, 4-bit codes in groups of 32-256 run torch's tinygemm kernel
+(`_weight_int4pack_mm`: bf16 activations, scales and zeros rounded to bf16); anything else is
+dequantized for each call (correct, not fast). Without a C++ compiler on CPU the weights are
+dequantized once at load (the bytes are then not saved).
 """
 from __future__ import annotations
 
@@ -67,6 +68,16 @@ class QuantLinear(nn.Module):
             self.register_buffer("offsets", offsets, persistent=False)  # (panels, groups, W) fp32
         elif self.mode == "dense":
             self.register_buffer("weight", weight.dequantize().to(device, dtype), persistent=False)  # (N, K)
+        elif self.mode == "tinygemm":
+            q = weight.q.to(torch.int32)
+            nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # (N, K / 2): even k in the high nibble
+            self.register_buffer("codes", torch.ops.aten._convert_weight_to_int4pack(nibbles.to(device), 2),
+                                 persistent=False)
+            # NOTE: tinygemm computes (q - 8) * scale + zero: our offset moves by 8 scales
+            offset = weight.offset if weight.offset is not None else torch.zeros_like(weight.scale)
+            scales_and_zeros = torch.stack([weight.scale, offset + 8 * weight.scale], dim=-1)  # (N, K / G, 2)
+            self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(
+                device, torch.bfloat16), persistent=False)  # (K / G, N, 2)
         else:  # codes on the GPU, dequantized per call
             self.register_buffer("q", weight.q.to(device), persistent=False)  # (N, K) int8
             self.register_buffer("scale", weight.scale.to(device), persistent=False)  # (N, K / G)
@@ -79,6 +90,11 @@ class QuantLinear(nn.Module):
                                                     self.group_size, self.out_features)
         if self.mode == "dense":
             return F.linear(x, self.weight, self.bias)
+        if self.mode == "tinygemm":
+            y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.codes,
+                                                   self.group_size, self.scales_and_zeros)  # (M, N)
+            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, _dequantize(self.q, self.scale, self.offset, self.group_size, x.dtype), self.bias)
 
     def extra_repr(self) -> str:
@@ -117,6 +133,10 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | Non
 
 
 def _mode(weight: QuantizedTensor, device: torch.device) -> str:
+    if device.type == "cuda":
+        n, k = weight.shape
+        tinygemm = weight.bits == 4 and weight.group_size in (32, 64, 128, 256) and n % 8 == 0 and k % 32 == 0
+        return "tinygemm" if tinygemm else "codes"
     if device.type != "cpu":
         return "codes"
     # NOTE: 4-bit codes are packed in runs of 32 inputs: groups must hold whole runs; 8-bit ones

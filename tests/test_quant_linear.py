@@ -47,14 +47,20 @@ def test_matches_dequantized_weights_in_float64(bits, group, scales, offsets, m)
 
 
 @pytest.mark.parametrize("m", [1, 7, 300])
-def test_bf16_inputs_give_bf16_outputs_rounded_once(m):
+def test_bf16_inputs_give_bf16_outputs(m):
+    """Few rows: exact weights, fp32 sums, one bf16 rounding of the output. More rows (on an
+    AVX512-BF16 build): weights rounded to bf16 for bf16 dot products too, as a bf16 model's are."""
     w = random_quantized(64, 256, 4, 32, seed=3)
     layer = QuantLinear(w, None, torch.bfloat16)
     x = torch.randn(2, m, 256).bfloat16()  # (B, S, K): leading dims kept
     y = layer(x)
-    expected = F.linear(x.double(), w.dequantize().double())
+    dense = w.dequantize().double()
+    expected = F.linear(x.double(), dense)
     assert y.dtype == torch.bfloat16 and y.shape == (2, m, 64)
-    assert ((y.double() - expected).abs() <= 2 ** -8 * expected.abs() + 1e-6).all()
+    rounding = 2 ** -8 * (expected.abs() + F.linear(x.double().abs(), dense.abs()))
+    assert ((y.double() - expected).abs() <= rounding + 1e-6).all()
+    if m == 1:  # exact weights: only the output's rounding
+        assert ((y.double() - expected).abs() <= 2 ** -8 * expected.abs() + 1e-6).all()
 
 
 def test_every_row_count_and_an_empty_batch():
@@ -107,3 +113,18 @@ def test_without_the_kernel_weights_are_dequantized_once(monkeypatch):
     assert layer.mode == "dense" and torch.equal(layer.weight, w.dequantize())
     x = torch.randn(3, 64)
     assert torch.allclose(layer(x), F.linear(x, w.dequantize()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch's int4 tinygemm kernel")
+@pytest.mark.parametrize("group,offsets", [(32, True), (128, True), (32, False)])
+def test_cuda_int4_tinygemm_matches_the_dequantized_weights(group, offsets):
+    w = random_quantized(256, 512, 4, group, "fp16", offsets, seed=7)
+    layer = QuantLinear(w, torch.randn(256), torch.bfloat16, "cuda")
+    assert layer.mode == "tinygemm"
+    for m in (1, 7, 32, 300):
+        x = torch.randn(m, 512, device="cuda").bfloat16()
+        expected = F.linear(x.double(), w.dequantize().cuda().double(), layer.bias.double())
+        y = layer(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, 256)
+        # bf16 scales and zeros, bf16 output: relative to the outputs' size
+        assert (y.double() - expected).abs().max() <= 2e-2 * expected.abs().max(), m

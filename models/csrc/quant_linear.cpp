@@ -13,7 +13,9 @@
 //   few rows (decode): codes widened to fp32 in registers, multiplied into per-group sums, each
 //   group's sum scaled once: sum_g scale * (x . code) + offset * sum(x over the group);
 //   more rows: each pair of panels is dequantized once into fp32 in cache, then multiplied by
-//   register tiles of many rows, so the widening is paid once per weight, not once per row.
+//   register tiles of many rows, so the widening is paid once per weight, not once per row. With
+//   bf16 activations on an AVX512-BF16 build the dequantized panels are rounded to bf16 pairs and
+//   multiplied with vdpbf16ps (twice fp32's rate), as a bf16 model's own weights are.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,6 +33,11 @@
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__)
+#define ATTNSERVE_BF16_DOT 1
+#else
+#define ATTNSERVE_BF16_DOT 0
 #endif
 
 namespace {
@@ -50,6 +57,8 @@ constexpr int DIRECT_ROWS = 2;
 #endif
 constexpr int64_t ROW_CHUNK = 64;  // x rows per dequantized pair of panels (the pair stays in L2)
 constexpr int64_t DIRECT_MAX_M = 8;  // up to this many rows of x: code tiles (measured: AVX2 and AVX-512); above: dequantize
+
+constexpr int64_t BF16_DOT_MIN_M = DIRECT_MAX_M;  // bf16 x on AVX512-BF16: bf16 tiles above this many rows (measured: dequantizing costs as much as 8-16 rows of code tiles)
 
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
@@ -256,6 +265,49 @@ constexpr std::array<Fp32TileFn, sizeof...(R)> fp32_tiles(std::integer_sequence<
 }
 constexpr auto FP32_TILES = fp32_tiles(std::make_integer_sequence<int, MAX_ROWS>{});
 
+#if ATTNSERVE_BF16_DOT
+// fp32 panel [k][W] -> bf16 k pairs [k / 2][W][2] (k_dim even): the layout vdpbf16ps multiplies
+inline void to_bf16_pairs(const float* in, int64_t k_dim, uint16_t* out) {
+  alignas(64) static constexpr uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(interleave);
+  for (int64_t k2 = 0; k2 < k_dim / 2; ++k2) {
+    const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + (2 * k2 + 1) * W), _mm512_loadu_ps(in + 2 * k2 * W));
+    _mm512_storeu_si512(out + k2 * 2 * W, _mm512_permutexvar_epi16(idx, (__m512i)both));  // round to nearest even
+  }
+}
+
+// bf16 tile over two panels of bf16 pairs wp ([2][k / 2][W][2]): y[r, n0 ..) for R rows of bf16 x.
+template <int R>
+void bf16_tile(const uint16_t* x, int64_t k_dim, const uint16_t* wp, float* y, int64_t n, int64_t n0,
+               const float* bias) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const uint16_t* w1 = wp + k_dim * W;
+  for (int64_t k2 = 0; k2 < k_dim / 2; ++k2) {
+    const __m512bh a = (__m512bh)_mm512_loadu_si512(wp + k2 * 2 * W), b = (__m512bh)_mm512_loadu_si512(w1 + k2 * 2 * W);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * k_dim + 2 * k2, sizeof pair);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, a);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, b);
+    }
+  }
+  vf out[R][2];
+  std::memcpy(out, acc, sizeof out);
+  store_tile<R, 2>(out, y, n, n0, bias);
+}
+
+using Bf16TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, float*, int64_t, int64_t, const float*);
+
+template <int... R>
+constexpr std::array<Bf16TileFn, sizeof...(R)> bf16_tiles(std::integer_sequence<int, R...>) {
+  return {&bf16_tile<R + 1>...};
+}
+constexpr auto BF16_TILES = bf16_tiles(std::make_integer_sequence<int, MAX_ROWS>{});
+#endif
+
 using CodeTileFn = void (*)(const float*, const float*, const Packed&, int64_t, float*, int64_t, const float*);
 
 // One row: four panels at once (four independent chains per group); more rows: two panels.
@@ -275,11 +327,12 @@ inline void row_blocks(int64_t rows, int max_rows, F&& f) {
   }
 }
 
+// x: fp32 rows (the code tiles, fp32 tiles); xb: the same rows in bf16 for bf16 tiles, or nullptr
 template <typename F>
-void run(const Packed& w, const float* x, const float* xs, int64_t m, float* y, int64_t n, const float* bias,
-         int64_t q0, int64_t q1) {
+void run(const Packed& w, const float* x, const uint16_t* xb, const float* xs, int64_t m, float* y, int64_t n,
+         const float* bias, int64_t q0, int64_t q1) {
   const int64_t k_dim = w.k_dim;
-  if (m <= DIRECT_MAX_M) {
+  if (m <= DIRECT_MAX_M && xb == nullptr) {
     static constexpr auto tiles = code_tiles<F>(std::make_integer_sequence<int, DIRECT_ROWS>{});
     if (m == 1) {
       int64_t p = 2 * q0;
@@ -297,6 +350,24 @@ void run(const Packed& w, const float* x, const float* xs, int64_t m, float* y, 
     return;
   }
   std::vector<float> buf(2 * k_dim * W);
+#if ATTNSERVE_BF16_DOT
+  if (xb != nullptr) {
+    std::vector<uint16_t> pairs(2 * k_dim * W);
+    for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
+      const int64_t rows = std::min(m - r0, ROW_CHUNK);
+      for (int64_t q = q0; q < q1; ++q) {
+        for (int64_t half = 0; half < 2; ++half) {
+          dequantize_panel<F>(w, 2 * q + half, buf.data());
+          to_bf16_pairs(buf.data(), k_dim, pairs.data() + half * k_dim * W);
+        }
+        row_blocks(rows, MAX_ROWS, [&](int64_t r, int nr) {
+          BF16_TILES[nr - 1](xb + (r0 + r) * k_dim, k_dim, pairs.data(), y + (r0 + r) * n, n, 2 * q * W, bias);
+        });
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
     const int64_t rows = std::min(m - r0, ROW_CHUNK);
     for (int64_t q = q0; q < q1; ++q) {
@@ -309,8 +380,8 @@ void run(const Packed& w, const float* x, const float* xs, int64_t m, float* y, 
   }
 }
 
-using RunFn = void (*)(const Packed&, const float*, const float*, int64_t, float*, int64_t, const float*, int64_t,
-                       int64_t);
+using RunFn = void (*)(const Packed&, const float*, const uint16_t*, const float*, int64_t, float*, int64_t,
+                       const float*, int64_t, int64_t);
 
 RunFn format_runner(int64_t bits, bool half, bool offsets) {
   const RunFn fns[2][2][2] = {{{&run<Fmt<4, false, false>>, &run<Fmt<4, false, true>>},
@@ -389,20 +460,23 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
               "x has ", k_dim, " features; the weights do not");
   TORCH_CHECK(out_features > panels * W - 2 * W && out_features <= panels * W, "out_features does not match the panels");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
-  const at::Tensor xc = x.to(at::kFloat).reshape({-1, k_dim}).contiguous();  // (M, K)
-  const int64_t m = xc.size(0);
+  const int64_t m = x.numel() / std::max<int64_t>(k_dim, 1);
+  // NOTE: bf16 x, many rows, an AVX512-BF16 build: bf16 tiles (k_dim is even: groups are)
+  const bool bf16_dot = ATTNSERVE_BF16_DOT && x.scalar_type() == at::kBFloat16 && m > BF16_DOT_MIN_M;
+  const at::Tensor xc = (bf16_dot ? x : x.to(at::kFloat)).reshape({-1, k_dim}).contiguous();  // (M, K)
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
-  at::Tensor y = at::empty({m, out_features}, xc.options());
+  at::Tensor y = at::empty({m, out_features}, xc.options().dtype(at::kFloat));
   std::optional<at::Tensor> b;
   if (bias.has_value()) {
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b->numel() == out_features, "bias must have out_features elements");
   }
   if (m > 0) {
-    const float* xp = xc.data_ptr<float>();
+    const float* xp = bf16_dot ? nullptr : xc.data_ptr<float>();
+    const uint16_t* xbp = bf16_dot ? reinterpret_cast<const uint16_t*>(xc.data_ptr()) : nullptr;
     std::vector<float> xs;  // (M, groups): each group's sum of x, for the offsets
-    if (m <= DIRECT_MAX_M && has_offsets) {
+    if (m <= DIRECT_MAX_M && !bf16_dot && has_offsets) {
       xs.assign(m * groups, 0.f);
       for (int64_t r = 0; r < m; ++r)
         for (int64_t g = 0; g < groups; ++g) {
@@ -418,7 +492,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     // NOTE: whole pairs of panels per task: a two-panel tile never straddles two threads
     const auto fn = format_runner(bits, half, has_offsets);
     at::parallel_for(0, panels / 2, 1, [&](int64_t q0, int64_t q1) {
-      fn(w, xp, xs.data(), m, yp, out_features, bp, q0, q1);
+      fn(w, xp, xbp, xs.data(), m, yp, out_features, bp, q0, q1);
     });
   }
   return y.to(x.scalar_type()).view(shape);
