@@ -41,8 +41,9 @@ def test_make_serve_answers_the_readme_snippets_and_stops_on_sigterm():
         # --dtype auto: bf16 only where this CPU (or the cap CI runs under) has bf16 arithmetic
         native_bf16 = machine_isa() == "avx512_bf16"
         assert path["isa"] == machine_isa() and path["attention"] == f"native-{machine_isa()}"
-        assert (path["dtype"], path["weight_dtype"], path["linear"]) == (
-            "bfloat16" if native_bf16 else "float32", "bfloat16", "panels")
+        # the shipped GGUF as stored: every linear quantized (Q4_1 layers, the Q8_0 head)
+        assert (path["dtype"], path["weight_dtype"], path["linear"], path["quantization"]) == (
+            "bfloat16" if native_bf16 else "float32", "Q4_1+Q8_0", "quantized", "Q4_1+Q8_0")
         curl = readme_block("bash", "curl ").replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120, check=True).stdout
         assert "Paris" in out and '"finish_reason"' in out

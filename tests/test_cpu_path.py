@@ -257,7 +257,8 @@ def test_env_prints_the_chosen_paths():
 def test_bfloat16_on_an_avx2_cap_answers_with_one_line_saying_it_is_slower(default_model_dir):
     """The README's question with an explicit --dtype bfloat16 on a CPU without bf16 arithmetic."""
     proc = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--prompt", "What is the capital of France?",
-                           "--chat", "--max-tokens", "16", "--dtype", "bfloat16", "--enforce-eager"],
+                           "--chat", "--max-tokens", "16", "--dtype", "bfloat16", "--enforce-eager",
+                           "--quantization", "none"],  # the bf16 panels path (the quantized default: test_cli_serve)
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "ATTNSERVE_CPU_ISA": "avx2"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -215,8 +215,10 @@ def test_default_model_greedy_tokens_agree_with_a_bf16_cache(default_model_dir):
     runs = {}
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=5)
     for kv in ("auto", "fp8_e4m3", "fp8_e5m2"):
+        # NOTE: the bf16 weights the flip bound was measured on: this test is about the cache, and
+        # its gap bound is empirical (the Q4_1 file as stored flips e5m2 at a gap of 1.25)
         e = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="bfloat16", kv_cache_dtype=kv,
-                                   kv_cache_memory="64MiB", enforce_eager=True))
+                                   kv_cache_memory="64MiB", enforce_eager=True, quantization="none"))
         prompts = [chat_ids(e.tokenizer, p) for p in CHAT_PROMPTS]
         runs[kv] = [g[0] for g in e.generate(prompts, params)]
         assert e.kv.num_used_blocks == 0
