@@ -16,6 +16,16 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 T = GGMLQuantizationType
 
 
+def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                     group_size: int) -> torch.Tensor:
+    """(..., K) codes -> (..., K) fp32 weights: code * scale, then + offset, per group of K."""
+    shape = q.shape
+    w = q.reshape(*shape[:-1], -1, group_size).float() * scale.unsqueeze(-1)  # (..., K / G, G)
+    if offset is not None:
+        w = w + offset.unsqueeze(-1)
+    return w.reshape(shape)
+
+
 @dataclass(frozen=True)
 class QuantizedTensor:
     """A 2-D weight (N out features, K in features) as integer codes with per-group scales and offsets:
@@ -44,12 +54,7 @@ class QuantizedTensor:
         return tuple(self.q.shape)
 
     def dequantize(self) -> torch.Tensor:
-        n, k = self.shape
-        q = self.q.reshape(n, k // self.group_size, self.group_size).float()  # (N, K/g, g)
-        w = q * self.scale[..., None]
-        if self.offset is not None:
-            w = w + self.offset[..., None]
-        return w.reshape(n, k)  # (N, K)
+        return dequantize_codes(self.q, self.scale, self.offset, self.group_size)  # (N, K)
 
     def nbytes(self) -> int:
         n, k = self.shape

@@ -41,7 +41,9 @@ def quant_library() -> str:
     return load("quant_linear")
 
 
+@functools.cache
 def quant_kernel_available() -> bool:
+    """Once per process: every layer asks, and a missing compiler is one warning, not one per layer."""
     try:
         quant_library()
     except Exception as e:  # noqa: BLE001 - no compiler: dequantize at load instead
@@ -124,12 +126,9 @@ class QuantEmbedding(nn.Module):
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group_size: int,
                 dtype: torch.dtype) -> torch.Tensor:
-    """(..., K) codes -> (..., K) weights: code * scale + offset per group, in fp32, then `dtype`."""
-    shape = q.shape
-    w = q.reshape(*shape[:-1], -1, group_size).float() * scale.unsqueeze(-1)  # (..., K / G, G)
-    if offset is not None:
-        w = w + offset.unsqueeze(-1)
-    return w.reshape(shape).to(dtype)
+    from models.quant_formats import dequantize_codes
+
+    return dequantize_codes(q, scale, offset, group_size).to(dtype)
 
 
 def _mode(weight: QuantizedTensor, device: torch.device) -> str:
