@@ -45,6 +45,7 @@ def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32
         model = DecoderLM(cfg)
     for name, weight in quantized.items():
         _install_quantized(model, name.removesuffix(".weight"), weight, state, dtype, device)
+    _share_tied_table(model, quantized, dtype)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     # NOTE: a quantized module's bias came in with its codes; nothing else may be left out
     missing = [k for k in missing if k.removesuffix(".bias") + ".weight" not in quantized]
@@ -77,6 +78,17 @@ def _install_quantized(model: DecoderLM, module_name: str, weight, state: dict, 
         setattr(parent, child, QuantEmbedding(weight, dtype, device))
     else:
         setattr(parent, child, QuantLinear(weight, state.pop(module_name + ".bias", None), dtype, device))
+
+
+def _share_tied_table(model: DecoderLM, quantized: dict, dtype: torch.dtype) -> None:
+    """A tied GGUF table (embed and lm_head one QuantizedTensor): the embedding reads the packed
+    head's panels, so the codes are held once."""
+    from models.quant_linear import QuantEmbedding
+
+    table = quantized.get("embed.weight")
+    if table is None or quantized.get("lm_head.weight") is not table or model.lm_head.mode != "packed":
+        return
+    model.embed = QuantEmbedding.tied(model.lm_head, dtype)
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, device: str = "cpu") -> DecoderLM:
@@ -143,6 +155,16 @@ def load_tokenizer(path: str | Path) -> Any:
         from models.gguf_file import gguf_tokenizer
 
         return gguf_tokenizer(path)
-    from transformers import AutoTokenizer
+    import json
 
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    from transformers import AutoTokenizer, PretrainedConfig
+
+    # NOTE: where tokenizer_config.json names its class, a blank config keeps AutoTokenizer from
+    # reading config.json with AutoConfig, which imports ~700 modules (accelerate, model code):
+    # 50 MB of an engine process's memory, for nothing the tokenizer uses
+    settings = path / "tokenizer_config.json"
+    named = settings.exists() and bool(json.loads(settings.read_text()).get("tokenizer_class"))
+    extra = {"config": PretrainedConfig()} if named else {}
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, **extra)
+    _release_freed_memory()  # NOTE: building it leaves ~30 MB of freed Python objects in glibc's arenas
+    return tokenizer

@@ -104,24 +104,61 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """Rows of codes gathered, then dequantized: the table stays quantized (a GGUF's token_embd)."""
+    """Rows of codes gathered, then dequantized: the table stays quantized (a GGUF's token_embd).
 
-    def __init__(self, weight: QuantizedTensor, dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
+    `QuantEmbedding.tied(lm_head)` reads the rows out of a packed LM head's panels instead, so a
+    tied table (SmolLM2's, most small models') is held once, not twice (28 MB for the default model)."""
+
+    def __init__(self, weight: QuantizedTensor | None, dtype: torch.dtype, device: str | torch.device = "cpu",
+                 packed: QuantLinear | None = None) -> None:
         super().__init__()
+        self.out_dtype = dtype
+        if packed is not None:
+            self.num_embeddings, self.embedding_dim = packed.out_features, packed.in_features
+            self.group_size, self.kind, self.bits = packed.group_size, packed.kind, packed.bits
+            # NOTE: the head's own tensors, registered here too: one storage (weight_bytes counts it once)
+            self.register_buffer("codes", packed.codes, persistent=False)  # (panels, K * W * bits / 8) uint8
+            self.register_buffer("scales", packed.scales, persistent=False)  # (panels, groups, W)
+            self.register_buffer("offsets", packed.offsets, persistent=False)  # (panels, groups, W) or (0,)
+            return
         self.num_embeddings, self.embedding_dim = weight.shape
-        self.group_size, self.kind, self.out_dtype = weight.group_size, weight.kind, dtype
+        self.group_size, self.kind, self.bits = weight.group_size, weight.kind, None
         self.register_buffer("q", weight.q.to(device), persistent=False)  # (V, C) int8
         self.register_buffer("scale", weight.scale.to(device), persistent=False)  # (V, C / G)
         self.register_buffer("offset", None if weight.offset is None else weight.offset.to(device), persistent=False)
 
+    @classmethod
+    def tied(cls, lm_head: QuantLinear, dtype: torch.dtype) -> QuantEmbedding:
+        return cls(None, dtype, packed=lm_head)
+
     @property
     def weight(self) -> torch.Tensor:
         """The table's dtype and device (DecoderLM reads them from embed.weight)."""
-        return self.scale.new_empty(0, dtype=self.out_dtype)
+        table = self.scale if self.bits is None else self.scales
+        return table.new_empty(0, dtype=self.out_dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.bits is not None:
+            return _dequantize(*_packed_rows(self.codes, self.scales, self.offsets, ids, self.bits, self.embedding_dim),
+                               self.group_size, self.out_dtype)  # (T, C)
         offset = None if self.offset is None else self.offset[ids]
         return _dequantize(self.q[ids], self.scale[ids], offset, self.group_size, self.out_dtype)  # (T, C)
+
+
+def _packed_rows(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor, bits: int,
+                 k_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rows `ids` of a packed matrix (models/csrc/quant_linear.cpp's panels of W features) as
+    (codes, scales, offsets) of QuantizedTensor's form."""
+    num_panels, _, w = scales.shape
+    panel, lane = ids // w, ids % w
+    if bits == 8:
+        q = codes.view(num_panels, k_dim, w)[panel, :, lane].view(torch.int8)  # (T, K)
+    else:
+        # NOTE: byte (i, j) of each run of 32 inputs holds input i (low nibble) and i + 16 (high)
+        b = codes.view(num_panels, k_dim // 32, 16, w)[panel, :, :, lane]  # (T, K / 32, 16)
+        q = torch.cat([b & 15, b >> 4], dim=-1).view(torch.int8).reshape(-1, k_dim)  # (T, K)
+    offset = offsets[panel, :, lane].float() if offsets.numel() else None  # (T, K / G)
+    return q, scales[panel, :, lane].float(), offset
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group_size: int,

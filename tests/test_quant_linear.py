@@ -103,6 +103,19 @@ def test_embedding_gathers_dequantized_rows():
     assert table.weight.dtype == torch.float32
 
 
+@pytest.mark.parametrize("bits,group,scales,offsets", FORMATS)
+def test_tied_embedding_reads_the_packed_head(bits, group, scales, offsets):
+    """A tied table held once: rows gathered out of the LM head's panels equal the table's, exactly,
+    for every format (row ids in every lane of a panel, the last panel included)."""
+    w = random_quantized(100, 1152, bits, group, scales, offsets, seed=bits + group)
+    head = QuantLinear(w, None, torch.float32)
+    table = QuantEmbedding.tied(head, torch.float32)
+    ids = torch.tensor([0, 1, 15, 16, 17, 63, 64, 99, 99, 5])
+    assert torch.equal(table(ids), w.dequantize()[ids])
+    assert table.codes.data_ptr() == head.codes.data_ptr()  # the head's storage, not a copy
+    assert table.weight.dtype == torch.float32 and table.embedding_dim == 1152 and table.num_embeddings == 100
+
+
 def test_without_the_kernel_weights_are_dequantized_once(monkeypatch):
     """No compiler: the layer keeps the dequantized matrix and answers the same."""
     import models.quant_linear as ql

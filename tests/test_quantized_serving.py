@@ -191,3 +191,21 @@ def test_eval_one_row_per_model_and_quantization(tiny_checkpoints, tmp_path, mon
     assert full["kv_bytes_per_token"] == int8["kv_bytes_per_token"] == int4["kv_bytes_per_token"]
     assert int8["perplexity"] != full["perplexity"] and int8["perplexity"] == pytest.approx(full["perplexity"], rel=0.05)
     assert sorted(r["quantization"] for r in eval_results.load()) == ["int4_g32", "int8", "none"]  # all kept
+
+
+def test_default_model_is_held_at_its_files_size():
+    """The shipped Q4_1 file served as stored: its tied Q8_0 table is read by the embedding out of
+    the LM head's panels (held once), so the weights in memory take no more than the file."""
+    import torch
+
+    from models.loader import load_for_serving, read_checkpoint
+    from models.quant_linear import QuantEmbedding
+    from models.registry import resolve_model, stored_gguf
+
+    path = stored_gguf(resolve_model("default"))
+    model = load_for_serving(path, dtype="float32", quantization="auto")
+    assert isinstance(model.embed, QuantEmbedding) and model.embed.codes.data_ptr() == model.lm_head.codes.data_ptr()
+    assert model.weight_bytes() <= path.stat().st_size, (model.weight_bytes(), path.stat().st_size)
+    ids = torch.tensor([0, 1, 2, 17, 9000, 49151])
+    table = read_checkpoint(path).tensors["model.embed_tokens.weight"]  # the file's rows, dequantized by gguf
+    assert torch.equal(model.embed(ids), table[ids].float())
