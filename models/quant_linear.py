@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from models.quant_formats import QuantizedTensor
 
 logger = logging.getLogger(__name__)
+PANELS_PER_QUAD = 4  # models/csrc/quant_linear.cpp's QUAD: panels whose rows interleave in the packed codes
 
 _LIB = torch.library.Library("attnserve", "FRAGMENT")
 _LIB.define("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias, int bits, "
@@ -147,15 +148,17 @@ class QuantEmbedding(nn.Module):
 
 def _packed_rows(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor, bits: int,
                  k_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Rows `ids` of a packed matrix (models/csrc/quant_linear.cpp's panels of W features) as
-    (codes, scales, offsets) of QuantizedTensor's form."""
+    """Rows `ids` of a packed matrix (models/csrc/quant_linear.cpp: panels of W features, the rows
+    of each quad of panels interleaved) as (codes, scales, offsets) of QuantizedTensor's form."""
     num_panels, _, w = scales.shape
     panel, lane = ids // w, ids % w
+    quad, slot = panel // PANELS_PER_QUAD, panel % PANELS_PER_QUAD
+    num_quads = num_panels // PANELS_PER_QUAD
     if bits == 8:
-        q = codes.view(num_panels, k_dim, w)[panel, :, lane].view(torch.int8)  # (T, K)
+        q = codes.view(num_quads, k_dim, PANELS_PER_QUAD, w)[quad, :, slot, lane].view(torch.int8)  # (T, K)
     else:
         # NOTE: byte (i, j) of each run of 32 inputs holds input i (low nibble) and i + 16 (high)
-        b = codes.view(num_panels, k_dim // 32, 16, w)[panel, :, :, lane]  # (T, K / 32, 16)
+        b = codes.view(num_quads, k_dim // 32, 16, PANELS_PER_QUAD, w)[quad, :, :, slot, lane]  # (T, K / 32, 16)
         q = torch.cat([b & 15, b >> 4], dim=-1).view(torch.int8).reshape(-1, k_dim)  # (T, K)
     offset = offsets[panel, :, lane].float() if offsets.numel() else None  # (T, K / G)
     return q, scales[panel, :, lane].float(), offset

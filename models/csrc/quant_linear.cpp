@@ -3,10 +3,13 @@
 // maps every GGUF type and our int8 / int4 schemes onto that). Activations stay fp32 (bf16 ones are
 // widened first): the results are those of the dequantized weights, up to the order of the sums.
 //
-// Packing: panels of W output features (one vector), as models/csrc/linear.cpp.
-//   8-bit codes: [panel][k][W] int8.
-//   4-bit codes: [panel][k / 32][16][W] bytes, byte (i, j) = code(j, 32c + i) | code(j, 32c + i + 16) << 4:
+// Packing: panels of W output features (one vector), as models/csrc/linear.cpp, in quads of four
+// panels whose rows interleave, so that a one-row tile over a quad reads one sequential stream:
+//   8-bit codes: [quad][k][4][W] int8.
+//   4-bit codes: [quad][k / 32][16][4][W] bytes, byte (i, j) = code(j, 32c + i) | code(j, 32c + i + 16) << 4:
 //   one load of W bytes widens to two vectors (a mask and a shift), at k and k + 16.
+//   NOTE: measured (AVX2, 1 thread, weights out of cache): four panels side by side read as four
+//   streams of W-byte loads ran at 4.5 GB/s, interleaved as one stream at 9-10 GB/s.
 //   scales, offsets: [panel][group][W], fp16 where every value is one (a GGUF's Q4_0, Q4_1, Q8_0,
 //   Q5_0, Q5_1: as few bytes as the file), else fp32; no offsets at all for symmetric formats.
 // Two ways through, by the number of rows of x:
@@ -109,11 +112,17 @@ inline void widen_u4(const uint8_t* p, vf& lo, vf& hi) {
   hi = __builtin_convertvector(i >> 4, vf);
 }
 
+constexpr int64_t QUAD = 4;  // panels whose rows interleave
+constexpr int64_t ROW_STRIDE = QUAD * W;  // bytes from one row of a panel's codes to its next
+
 struct Packed {
   const uint8_t* codes;
   const void* scales;  // fp32 or fp16
   const void* offsets;  // as scales, or nullptr (symmetric)
   int64_t k_dim, group, groups, panel_bytes;  // panel_bytes: one panel's codes
+
+  // Row 0 of panel p's codes; row r (W bytes: k = r for 8 bits, a pair of nibble rows for 4) is r * ROW_STRIDE on
+  const uint8_t* panel(int64_t p) const { return codes + (p / QUAD) * QUAD * panel_bytes + (p % QUAD) * W; }
 };
 
 // A format: the codes' width, fp16 scales (and offsets), whether there are offsets
@@ -164,7 +173,8 @@ void code_tile(const float* x, const float* xs, const Packed& w, int64_t p0, flo
   vf acc[R][NP];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = vf{};
-  const uint8_t* codes = w.codes + p0 * w.panel_bytes;
+  const uint8_t* codes[NP];
+  for (int p = 0; p < NP; ++p) codes[p] = w.panel(p0 + p);
   for (int64_t g = 0; g < w.groups; ++g) {
     // NOTE: two sums per output vector (k and k + 16; even and odd k): two FMA chains, not one,
     // so the FMAs' latency is hidden at one row
@@ -175,9 +185,9 @@ void code_tile(const float* x, const float* xs, const Packed& w, int64_t p0, flo
     if constexpr (F::BITS == 8) {
       for (int64_t k = k0; k < k0 + w.group; k += 2) {  // NOTE: groups are even (16 and up)
         for (int p = 0; p < NP; ++p) {
-          __builtin_prefetch(codes + p * w.panel_bytes + (k + 64) * W, 0, 0);
-          const vf c = widen_i8(codes + p * w.panel_bytes + k * W);
-          const vf c2 = widen_i8(codes + p * w.panel_bytes + (k + 1) * W);
+          __builtin_prefetch(codes[p] + (k + 16) * ROW_STRIDE, 0, 0);
+          const vf c = widen_i8(codes[p] + k * ROW_STRIDE);
+          const vf c2 = widen_i8(codes[p] + (k + 1) * ROW_STRIDE);
           for (int r = 0; r < R; ++r) {
             sum[r][p] += x[r * k_dim + k] * c;
             sum2[r][p] += x[r * k_dim + k + 1] * c2;
@@ -187,11 +197,11 @@ void code_tile(const float* x, const float* xs, const Packed& w, int64_t p0, flo
     } else {
       for (int64_t c0 = k0; c0 < k0 + w.group; c0 += 32) {
         for (int64_t i = 0; i < 16; ++i) {
-          const int64_t at = (c0 / 2 + i) * W;  // byte offset in the panel: 16 rows of W bytes per 32 k
+          const int64_t at = (c0 / 2 + i) * ROW_STRIDE;  // 16 rows of W bytes per 32 k
           for (int p = 0; p < NP; ++p) {
-            __builtin_prefetch(codes + p * w.panel_bytes + at + 64 * W, 0, 0);
+            __builtin_prefetch(codes[p] + at + 16 * ROW_STRIDE, 0, 0);
             vf lo, hi;
-            widen_u4(codes + p * w.panel_bytes + at, lo, hi);
+            widen_u4(codes[p] + at, lo, hi);
             for (int r = 0; r < R; ++r) {
               sum[r][p] += x[r * k_dim + c0 + i] * lo;
               sum2[r][p] += x[r * k_dim + c0 + i + 16] * hi;
@@ -216,21 +226,21 @@ void code_tile(const float* x, const float* xs, const Packed& w, int64_t p0, flo
 // Panel p's weights as fp32, [k][W], into out.
 template <typename F>
 void dequantize_panel(const Packed& w, int64_t p, float* out) {
-  const uint8_t* codes = w.codes + p * w.panel_bytes;
+  const uint8_t* codes = w.panel(p);
   for (int64_t g = 0; g < w.groups; ++g) {
     const int64_t at = (p * w.groups + g) * W, k0 = g * w.group;
     const vf s = load_scales<F::HALF>(w.scales, at);
     const vf o = F::OFFSET ? load_scales<F::HALF>(w.offsets, at) : vf{};
     if constexpr (F::BITS == 8) {
       for (int64_t k = k0; k < k0 + w.group; ++k) {
-        const vf v = widen_i8(codes + k * W) * s + o;
+        const vf v = widen_i8(codes + k * ROW_STRIDE) * s + o;
         std::memcpy(out + k * W, &v, sizeof v);
       }
     } else {
       for (int64_t c0 = k0; c0 < k0 + w.group; c0 += 32)
         for (int64_t i = 0; i < 16; ++i) {
           vf lo, hi;
-          widen_u4(codes + (c0 / 2 + i) * W, lo, hi);
+          widen_u4(codes + (c0 / 2 + i) * ROW_STRIDE, lo, hi);
           lo = lo * s + o;
           hi = hi * s + o;
           std::memcpy(out + (c0 + i) * W, &lo, sizeof lo);
@@ -310,7 +320,8 @@ constexpr auto BF16_TILES = bf16_tiles(std::make_integer_sequence<int, MAX_ROWS>
 
 using CodeTileFn = void (*)(const float*, const float*, const Packed&, int64_t, float*, int64_t, const float*);
 
-// One row: four panels at once (four independent chains per group); more rows: two panels.
+// One row: a quad's four panels at once (four independent chains per group, one stream of codes);
+// more rows: two panels.
 template <typename F, int... R>
 constexpr std::array<CodeTileFn, sizeof...(R)> code_tiles(std::integer_sequence<int, R...>) {
   return {(R == 0 ? &code_tile<F, 1, 4> : &code_tile<F, R + 1, 2>)...};
@@ -327,20 +338,20 @@ inline void row_blocks(int64_t rows, int max_rows, F&& f) {
   }
 }
 
-// x: fp32 rows (the code tiles, fp32 tiles); xb: the same rows in bf16 for bf16 tiles, or nullptr
+// Quads [u0, u1) of the output. x: fp32 rows (the code tiles, fp32 tiles); xb: the same rows in
+// bf16 for bf16 tiles, or nullptr.
 template <typename F>
 void run(const Packed& w, const float* x, const uint16_t* xb, const float* xs, int64_t m, float* y, int64_t n,
-         const float* bias, int64_t q0, int64_t q1) {
-  const int64_t k_dim = w.k_dim;
+         const float* bias, int64_t u0, int64_t u1) {
+  const int64_t k_dim = w.k_dim, q0 = 2 * u0, q1 = 2 * u1;  // q: pairs of panels
   if (m <= DIRECT_MAX_M && xb == nullptr) {
     static constexpr auto tiles = code_tiles<F>(std::make_integer_sequence<int, DIRECT_ROWS>{});
     if (m == 1) {
-      int64_t p = 2 * q0;
-      for (; p + 4 <= 2 * q1; p += 4) tiles[0](x, xs, w, p, y, n, bias);
-      if (p < 2 * q1) code_tile<F, 1, 2>(x, xs, w, p, y, n, bias);
+      for (int64_t u = u0; u < u1; ++u) tiles[0](x, xs, w, u * QUAD, y, n, bias);
       return;
     }
-    for (int64_t p = 2 * q0; p < 2 * q1; p += 2)
+    // NOTE: a quad's padding may hold whole panels past n: pairs of them are skipped, never stored
+    for (int64_t p = 2 * q0; p < 2 * q1 && p * W < n; p += 2)
       row_blocks(m, DIRECT_ROWS, [&](int64_t r, int nr) {
         if (nr == 1)
           code_tile<F, 1, 2>(x + r * k_dim, xs + r * w.groups, w, p, y + r * n, n, bias);
@@ -355,7 +366,7 @@ void run(const Packed& w, const float* x, const uint16_t* xb, const float* xs, i
     std::vector<uint16_t> pairs(2 * k_dim * W);
     for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
       const int64_t rows = std::min(m - r0, ROW_CHUNK);
-      for (int64_t q = q0; q < q1; ++q) {
+      for (int64_t q = q0; q < q1 && 2 * q * W < n; ++q) {
         for (int64_t half = 0; half < 2; ++half) {
           dequantize_panel<F>(w, 2 * q + half, buf.data());
           to_bf16_pairs(buf.data(), k_dim, pairs.data() + half * k_dim * W);
@@ -370,7 +381,7 @@ void run(const Packed& w, const float* x, const uint16_t* xb, const float* xs, i
 #endif
   for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
     const int64_t rows = std::min(m - r0, ROW_CHUNK);
-    for (int64_t q = q0; q < q1; ++q) {
+    for (int64_t q = q0; q < q1 && 2 * q * W < n; ++q) {
       dequantize_panel<F>(w, 2 * q, buf.data());
       dequantize_panel<F>(w, 2 * q + 1, buf.data() + k_dim * W);
       row_blocks(rows, MAX_ROWS, [&](int64_t r, int nr) {
@@ -407,8 +418,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& q, const a
   const at::Tensor qc = q.contiguous(), sc = scale.to(at::kFloat).contiguous();
   const at::Tensor oc = offset.has_value() ? offset->to(at::kFloat).contiguous() : at::zeros({n, k_dim / group}, sc.options());
   TORCH_CHECK(oc.sizes() == sc.sizes(), "offset must be shaped like scale");
-  // NOTE: an even number of panels, zero padded: a two-panel tile never reads past the tensor
-  const int64_t panels = (n + 2 * W - 1) / (2 * W) * 2, panel_bytes = k_dim * W * bits / 8;
+  // NOTE: whole quads of panels, zero padded: no tile ever reads past the tensor
+  const int64_t panels = (n + QUAD * W - 1) / (QUAD * W) * QUAD, panel_bytes = k_dim * W * bits / 8;
   at::Tensor codes = at::zeros({panels, panel_bytes}, q.options().dtype(at::kByte));
   at::Tensor scales = at::zeros({panels, groups, W}, sc.options()), offsets = at::zeros({panels, groups, W}, sc.options());
   const int8_t* src = qc.data_ptr<int8_t>();
@@ -419,13 +430,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& q, const a
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t j = 0; j < W && p * W + j < n; ++j) {
         const int8_t* row = src + (p * W + j) * k_dim;
-        uint8_t* panel = dst + p * panel_bytes;
+        uint8_t* panel = dst + (p / QUAD) * QUAD * panel_bytes + (p % QUAD) * W;  // its row r at r * ROW_STRIDE
         for (int64_t k = 0; k < k_dim; ++k) {
           if (bits == 8) {
-            panel[k * W + j] = uint8_t(row[k]);
+            panel[k * ROW_STRIDE + j] = uint8_t(row[k]);
           } else {
             const int64_t c = k / 32, i = k % 32;
-            panel[(c * 16 + i % 16) * W + j] |= uint8_t(row[k] << (i < 16 ? 0 : 4));
+            panel[(c * 16 + i % 16) * ROW_STRIDE + j] |= uint8_t(row[k] << (i < 16 ? 0 : 4));
           }
         }
         for (int64_t g = 0; g < groups; ++g) {
@@ -447,7 +458,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& q, const a
 at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
                   const std::optional<at::Tensor>& bias, int64_t bits, int64_t group, int64_t out_features) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(0) % 2 == 0,
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(0) % QUAD == 0,
               "codes must be packed by this library");
   const bool half = scales.scalar_type() == at::kHalf, has_offsets = offsets.numel() > 0;
   TORCH_CHECK(scales.dim() == 3 && scales.size(2) == W && scales.is_contiguous() &&
@@ -458,7 +469,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   const int64_t panels = codes.size(0), k_dim = x.size(-1), groups = scales.size(1);
   TORCH_CHECK(codes.size(1) == k_dim * W * bits / 8 && groups * group == k_dim && scales.size(0) == panels,
               "x has ", k_dim, " features; the weights do not");
-  TORCH_CHECK(out_features > panels * W - 2 * W && out_features <= panels * W, "out_features does not match the panels");
+  TORCH_CHECK(out_features > panels * W - QUAD * W && out_features <= panels * W,
+              "out_features does not match the panels");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
   const int64_t m = x.numel() / std::max<int64_t>(k_dim, 1);
   // NOTE: bf16 x, many rows, an AVX512-BF16 build: bf16 tiles (k_dim is even: groups are)
@@ -489,10 +501,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
                    group, groups, codes.size(1)};
     float* yp = y.data_ptr<float>();
     const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
-    // NOTE: whole pairs of panels per task: a two-panel tile never straddles two threads
+    // NOTE: whole quads of panels per task: no tile straddles two threads
     const auto fn = format_runner(bits, half, has_offsets);
-    at::parallel_for(0, panels / 2, 1, [&](int64_t q0, int64_t q1) {
-      fn(w, xp, xbp, xs.data(), m, yp, out_features, bp, q0, q1);
+    at::parallel_for(0, panels / QUAD, 1, [&](int64_t u0, int64_t u1) {
+      fn(w, xp, xbp, xs.data(), m, yp, out_features, bp, u0, u1);
     });
   }
   return y.to(x.scalar_type()).view(shape);
