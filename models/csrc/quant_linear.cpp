@@ -115,14 +115,17 @@ inline void widen_u4(const uint8_t* p, vf& lo, vf& hi) {
 constexpr int64_t QUAD = 4;  // panels whose rows interleave
 constexpr int64_t ROW_STRIDE = QUAD * W;  // bytes from one row of a panel's codes to its next
 
+// Where row 0 of panel p's codes lies; its row r (W bytes: k = r for 8 bits, a pair of nibble
+// rows for 4) is r * ROW_STRIDE on. The one statement of the layout: packing and kernels share it.
+inline int64_t panel_offset(int64_t p, int64_t panel_bytes) { return (p / QUAD) * QUAD * panel_bytes + (p % QUAD) * W; }
+
 struct Packed {
   const uint8_t* codes;
   const void* scales;  // fp32 or fp16
   const void* offsets;  // as scales, or nullptr (symmetric)
   int64_t k_dim, group, groups, panel_bytes;  // panel_bytes: one panel's codes
 
-  // Row 0 of panel p's codes; row r (W bytes: k = r for 8 bits, a pair of nibble rows for 4) is r * ROW_STRIDE on
-  const uint8_t* panel(int64_t p) const { return codes + (p / QUAD) * QUAD * panel_bytes + (p % QUAD) * W; }
+  const uint8_t* panel(int64_t p) const { return codes + panel_offset(p, panel_bytes); }
 };
 
 // A format: the codes' width, fp16 scales (and offsets), whether there are offsets
@@ -343,15 +346,15 @@ inline void row_blocks(int64_t rows, int max_rows, F&& f) {
 template <typename F>
 void run(const Packed& w, const float* x, const uint16_t* xb, const float* xs, int64_t m, float* y, int64_t n,
          const float* bias, int64_t u0, int64_t u1) {
-  const int64_t k_dim = w.k_dim, q0 = 2 * u0, q1 = 2 * u1;  // q: pairs of panels
+  // q: pairs of panels. NOTE: a quad's padding may hold whole pairs past n: never computed
+  const int64_t k_dim = w.k_dim, q0 = 2 * u0, q1 = std::min(2 * u1, (n + 2 * W - 1) / (2 * W));
   if (m <= DIRECT_MAX_M && xb == nullptr) {
     static constexpr auto tiles = code_tiles<F>(std::make_integer_sequence<int, DIRECT_ROWS>{});
     if (m == 1) {
       for (int64_t u = u0; u < u1; ++u) tiles[0](x, xs, w, u * QUAD, y, n, bias);
       return;
     }
-    // NOTE: a quad's padding may hold whole panels past n: pairs of them are skipped, never stored
-    for (int64_t p = 2 * q0; p < 2 * q1 && p * W < n; p += 2)
+    for (int64_t p = 2 * q0; p < 2 * q1; p += 2)
       row_blocks(m, DIRECT_ROWS, [&](int64_t r, int nr) {
         if (nr == 1)
           code_tile<F, 1, 2>(x + r * k_dim, xs + r * w.groups, w, p, y + r * n, n, bias);
@@ -366,7 +369,7 @@ void run(const Packed& w, const float* x, const uint16_t* xb, const float* xs, i
     std::vector<uint16_t> pairs(2 * k_dim * W);
     for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
       const int64_t rows = std::min(m - r0, ROW_CHUNK);
-      for (int64_t q = q0; q < q1 && 2 * q * W < n; ++q) {
+      for (int64_t q = q0; q < q1; ++q) {
         for (int64_t half = 0; half < 2; ++half) {
           dequantize_panel<F>(w, 2 * q + half, buf.data());
           to_bf16_pairs(buf.data(), k_dim, pairs.data() + half * k_dim * W);
@@ -381,7 +384,7 @@ void run(const Packed& w, const float* x, const uint16_t* xb, const float* xs, i
 #endif
   for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
     const int64_t rows = std::min(m - r0, ROW_CHUNK);
-    for (int64_t q = q0; q < q1 && 2 * q * W < n; ++q) {
+    for (int64_t q = q0; q < q1; ++q) {
       dequantize_panel<F>(w, 2 * q, buf.data());
       dequantize_panel<F>(w, 2 * q + 1, buf.data() + k_dim * W);
       row_blocks(rows, MAX_ROWS, [&](int64_t r, int nr) {
@@ -430,7 +433,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& q, const a
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t j = 0; j < W && p * W + j < n; ++j) {
         const int8_t* row = src + (p * W + j) * k_dim;
-        uint8_t* panel = dst + (p / QUAD) * QUAD * panel_bytes + (p % QUAD) * W;  // its row r at r * ROW_STRIDE
+        uint8_t* panel = dst + panel_offset(p, panel_bytes);
         for (int64_t k = 0; k < k_dim; ++k) {
           if (bits == 8) {
             panel[k * ROW_STRIDE + j] = uint8_t(row[k]);
