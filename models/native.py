@@ -29,6 +29,7 @@ SOURCES = {
     "paged_attention": ROOT / "kvcache" / "csrc" / "paged_attention.cpp",
     "panel_linear": ROOT / "models" / "csrc" / "linear.cpp",
     "quant_linear": ROOT / "models" / "csrc" / "quant_linear.cpp",
+    "decoder": ROOT / "models" / "csrc" / "decoder.cpp",
 }
 FLAGS = ["-O3", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-DNDEBUG"]
 # x86-64-v3 is AVX2 + FMA + F16C + BMI; -v4 adds AVX-512 F/BW/CD/DQ/VL. The portable build has

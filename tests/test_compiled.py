@@ -1,5 +1,5 @@
-"""The compiled model step: the same greedy tokens as the eager one on the default model, one
-graph for every step shape, and a new process that loads it from the disk cache."""
+"""The compiled model step (and the native decoder): the same greedy tokens as the eager one on the
+default model, one graph for every step shape, and a new process that loads it from the disk cache."""
 import json
 import os
 import subprocess
@@ -28,30 +28,34 @@ def chat(tok, question):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_and_eager_give_the_same_greedy_tokens(default_model_dir, dtype):
-    """A batch that hits the prefix cache and, with a small KV pool, preempts. fp32: identical
-    tokens. bf16: fused kernels sum their reductions in another order, so a bf16 ulp can flip a
-    near-tie; tokens are identical up to a first difference that must be a near-tie both ways."""
+    """A batch that hits the prefix cache and, with a small KV pool, preempts; through the compiled step
+    and the native decoder (models/native_decoder.py: the default model's Q4_1 layers) against eager.
+    fp32: identical tokens. bf16: fused kernels sum their reductions in another order, so a bf16 ulp can
+    flip a near-tie; tokens are identical up to a first difference that must be a near-tie both ways."""
     tok = load_tokenizer(default_model_dir)
     warm, prompts = chat(tok, QUESTIONS[0]), [chat(tok, q) for q in QUESTIONS[1:]]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5)
     outputs, engines = {}, {}
-    for eager in (True, False):
+    for step in ("eager", "compiled", "native"):
         engine = LLMEngine(EngineConfig(model=str(default_model_dir), dtype=dtype, num_blocks=14, block_size=16,
-                                        max_num_batched_tokens=256, enforce_eager=eager))
+                                        max_num_batched_tokens=256, enforce_eager=step == "eager",
+                                        native_decoder=step == "native"))
+        assert engine.runner.step == step
         engine.generate([warm], params)  # its prompt's blocks stay cached: the batch shares the system prompt
-        outputs[eager] = [r[0] for r in engine.generate(prompts, params)]
-        engines[eager] = engine
-    for compiled, eager in zip(outputs[False], outputs[True]):
-        if dtype == "float32":
-            assert compiled.token_ids == eager.token_ids
-        else:
-            assert_greedy_close(list(compiled.token_ids), [dict(lp.top) for lp in compiled.logprobs],
-                                list(eager.token_ids), [dict(lp.top) for lp in eager.logprobs], "compiled vs eager")
+        outputs[step] = [r[0] for r in engine.generate(prompts, params)]
+        engines[step] = engine
+    for step in ("compiled", "native"):
+        for ours, eager in zip(outputs[step], outputs["eager"]):
+            if dtype == "float32":
+                assert ours.token_ids == eager.token_ids, step
+            else:
+                assert_greedy_close(list(ours.token_ids), [dict(lp.top) for lp in ours.logprobs],
+                                    list(eager.token_ids), [dict(lp.top) for lp in eager.logprobs], f"{step} vs eager")
     for engine in engines.values():
         assert engine.scheduler.num_prefix_hits >= len(prompts) * 32 and engine.scheduler.num_preemptions > 0
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert engines[True].runner.forward is engines[True].model  # eager: the module itself
-    assert engines[False].runner.forward is not engines[False].model
+    assert engines["eager"].runner.forward is engines["eager"].model  # eager: the module itself
+    assert engines["compiled"].runner.forward is not engines["compiled"].model
 
 
 def test_one_graph_serves_every_step_shape(tiny_checkpoints):

@@ -1,7 +1,7 @@
 """Quantized weights served end to end: a mixed-type GGUF (every block format models/quant_formats.py
 decodes) and RTN int8 / int4 of an HF checkpoint give HF transformers' greedy tokens, when transformers runs
 exactly the weights they hold (dequantized), through batching, preemption, chunked prefill and the prefix
-cache, on the compiled and the eager step."""
+cache, on the native (models/native_decoder.py), the compiled and the eager step."""
 from __future__ import annotations
 
 import json
@@ -232,10 +232,10 @@ def run_and_check(engine, prompts, expected):
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
-CASES = [("gguf", "compiled", "float32"), ("gguf", "eager", "float32"), ("gguf", "compiled", "bfloat16"),
-         ("gguf", "eager", "bfloat16"),
-         ("llama-int8", "compiled", "float32"), ("llama-int8", "eager", "float32"),
-         ("llama-int4", "compiled", "float32"), ("llama-int4", "eager", "float32")]
+CASES = [("gguf", "native", "float32"), ("gguf", "compiled", "float32"), ("gguf", "eager", "float32"),
+         ("gguf", "native", "bfloat16"), ("gguf", "compiled", "bfloat16"), ("gguf", "eager", "bfloat16"),
+         ("llama-int8", "native", "float32"), ("llama-int8", "eager", "float32"),
+         ("llama-int4", "native", "float32"), ("llama-int4", "eager", "float32")]
 
 
 @pytest.mark.parametrize("source, step, dtype", CASES, ids=["-".join(c) for c in CASES])
@@ -247,11 +247,11 @@ def test_greedy_parity(source, step, dtype, sources, oracle):
     expected = oracle(source, dtype)
     engine = LLMEngine(EngineConfig(
         model=str(path), quantization=quantization, dtype=dtype, num_blocks=48, block_size=4,
-        max_num_batched_tokens=24, max_num_seqs=10, enforce_eager=step == "eager"))
+        max_num_batched_tokens=24, max_num_seqs=10, enforce_eager=step == "eager", native_decoder=step == "native"))
     assert engine.model.quantization != "none" and engine.info.quantization == engine.model.quantization
     if quantization != "auto":
         assert engine.model.quantization == quantize_rtn(torch.zeros(1, 64), quantization).kind
-    assert (engine.runner.forward is engine.model) == (step == "eager")  # compiled really compiled
+    assert engine.runner.step == step and (engine.runner.forward is engine.model) == (step == "eager")
     tok = engine.tokenizer
 
     system = tok(CORPUS)["input_ids"][:30]

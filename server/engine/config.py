@@ -64,6 +64,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads for the step; None = torch's default
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: run the model eagerly, without torch.compile
+    # True: models/native_decoder.py runs the layers of a model it covers (RMSNorm + RoPE + SwiGLU,
+    # packed quantized linears) in one C++ call; False: they are compiled as every other model is
+    native_decoder: bool = True
     device: str = "cpu"
 
     def __post_init__(self) -> None:

@@ -86,7 +86,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.kv_spec.bytes_per_block)
-        self.runner = ModelRunner(model, self.cache, compile=not config.enforce_eager)
+        self.runner = ModelRunner(model, self.cache, compile=not config.enforce_eager, native=config.native_decoder)
+        logger.info("attnserve step: %s", self.runner.step)
         eos = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)

@@ -10,6 +10,7 @@ import torch
 
 from kvcache.paged_attention import AttentionMetadata, PagedAttention
 from kvcache.storage import PagedKVCache
+from models.native_decoder import NativeDecoder, unsupported
 from models.transformer import DecoderLM
 from server.engine.compilation import compile_model
 from server.wire import TokenLogprob
@@ -39,21 +40,30 @@ class StepResult:
 
 
 class ModelRunner:
-    """Runs steps through the compiled model (or the eager one, with `compile=False`)."""
+    """Runs steps through the native decoder where it covers the model, else the compiled model
+    (the eager one with `compile=False`). `step` names which: native, compiled or eager."""
 
-    def __init__(self, model: DecoderLM, cache: PagedKVCache, compile: bool = True) -> None:
+    def __init__(self, model: DecoderLM, cache: PagedKVCache, compile: bool = True, native: bool = True) -> None:
         self.model = model
         self.cache = cache
         self.device = model.device
-        self.forward, self.compile_seconds = model, 0.0
-        if compile:
+        self.forward, self.compile_seconds, self.step = model, 0.0, "eager"
+        reason = unsupported(model) if compile and native else "not asked for"
+        if reason is None:
+            self.forward, self.step = NativeDecoder(model), "native"
+        elif compile:
+            logger.info("attnserve step: compiled (the native decoder: %s)", reason)
             try:
-                self.forward = compile_model(model)
+                for t in cache.k + cache.v:
+                    # NOTE: a pool's shape never changes: a compiled step specialises on it instead of
+                    # checking, on every call, symbolic sizes and strides of each layer's K and V in Python
+                    torch._dynamo.mark_static(t)
+                self.forward, self.step = compile_model(model), "compiled"
                 self.compile_seconds = self.warm_up()
             except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler for inductor: serve, slower
                 logger.warning("torch.compile of the model step failed (%s: %s); running it eagerly",
                                type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                self.forward, self.compile_seconds = model, 0.0
+                self.forward, self.compile_seconds, self.step = model, 0.0, "eager"
 
     def warm_up(self) -> float:
         """Compile (or load from the disk cache) before serving: a prefill step, then a decode.

@@ -1,0 +1,242 @@
+// Every decoder layer of a Llama-family model in one call (models/native_decoder.py): RMSNorm,
+// RoPE, SwiGLU and the residual adds run here, between calls to the same packed quantized-linear
+// and paged-attention kernels the Python model calls (through the dispatcher, from C++).
+//
+// Why: a batch-1 decode step of the default model is ~270 small operations. Through torch.compile's
+// Python wrapper each one costs microseconds of Python, guards and dispatch: perf on the engine
+// (AVX2, 2 threads) put ~40% of the main thread there, while the second thread sat idle.
+//
+// Rounding follows the Python model's ops (models/layers.py, models/rope.py) op by op, so a bf16
+// model rounds where eager bf16 rounds: normalised in fp32 then cast, scaled in the model's dtype;
+// RoPE's two products and their sum each rounded; SiLU rounded before the product with `up`.
+#include <torch/custom_class.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t ELEMENTS_PER_TASK = 1 << 15;  // rows of elementwise work below this run on one thread
+
+struct Linear {
+  at::Tensor codes, scales, offsets;
+  std::optional<at::Tensor> bias;
+  int64_t bits, group_size, out_features;
+};
+
+struct Layer {
+  at::Tensor attn_norm, mlp_norm;  // (C,) in the model's dtype
+  Linear qkv, o, gate_up, down;
+};
+
+at::Tensor quant_linear(const at::Tensor& x, const Linear& w) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("attnserve::quant_linear", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, int64_t, int64_t, c10::SymInt)>();
+  return op.call(x, w.codes, w.scales, w.offsets, w.bias, w.bits, w.group_size, c10::SymInt(w.out_features));
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t max_query_len,
+                           int64_t max_seq_len, double scale, double k_scale, double v_scale) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("attnserve::paged_attention", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt,
+                            c10::SymInt, double, double, double)>();
+  return op.call(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                 c10::SymInt(max_query_len), c10::SymInt(max_seq_len), scale, k_scale, v_scale);
+}
+
+// A value rounded to the model's dtype and back (identity in fp32; round to nearest even in bf16).
+template <typename T>
+inline float rounded(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+template <typename F>
+void for_rows(int64_t rows, int64_t row_elements, const F& fn) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, ELEMENTS_PER_TASK / std::max<int64_t>(1, row_elements)), fn);
+}
+
+// y = w * rms_norm(x): normalised in fp32, cast to T, then scaled in T (models/layers.py RMSNorm)
+template <typename T>
+void rms_norm(const T* x, const T* w, T* y, int64_t rows, int64_t dim, float eps) {
+  for_rows(rows, dim, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * dim;
+      float sum = 0.f;
+      for (int64_t i = 0; i < dim; ++i) sum += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      const float inv = 1.f / std::sqrt(sum / float(dim) + eps);
+      for (int64_t i = 0; i < dim; ++i)
+        y[r * dim + i] = static_cast<T>(static_cast<float>(w[i]) * rounded<T>(static_cast<float>(xr[i]) * inv));
+    }
+  });
+}
+
+// x += d, rounded to T (the residual stream)
+template <typename T>
+void add_into(T* x, const T* d, int64_t n) {
+  for_rows(n, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) x[i] = static_cast<T>(static_cast<float>(x[i]) + static_cast<float>(d[i]));
+  });
+}
+
+// out[t, h] = x * cos + swap_halves(x) * signed_sin for the first `heads` heads of each row of qkv
+// (models/rope.py: the tables are (T, D) in T, sin's first half negated)
+template <typename T>
+void rope(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin, T* out, int64_t rows, int64_t heads,
+          int64_t dim) {
+  const int64_t half = dim / 2;
+  for_rows(rows, heads * dim, [&](int64_t r0, int64_t r1) {
+    for (int64_t t = r0; t < r1; ++t) {
+      const T* c = cos + t * dim;
+      const T* s = sin + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* x = qkv + t * qkv_stride + h * dim;
+        T* o = out + (t * heads + h) * dim;
+        for (int64_t i = 0; i < dim; ++i) {
+          const float swapped = static_cast<float>(x[i < half ? i + half : i - half]);
+          o[i] = static_cast<T>(rounded<T>(static_cast<float>(x[i]) * static_cast<float>(c[i])) +
+                                rounded<T>(swapped * static_cast<float>(s[i])));
+        }
+      }
+    }
+  });
+}
+
+// out = silu(gate) * up, gate and up the two halves of each row of gate_up
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t width) {
+  for_rows(rows, width, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gate_up + r * 2 * width;
+      const T* u = g + width;
+      for (int64_t i = 0; i < width; ++i) {
+        const float gi = static_cast<float>(g[i]);
+        out[r * width + i] = static_cast<T>(rounded<T>(gi / (1.f + std::exp(-gi))) * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
+               at::Tensor final_norm)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
+        intermediate_size_(intermediate_size), eps_(float(eps)), final_norm_(final_norm.contiguous()) {
+    TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim % 2 == 0,
+                "head counts or head_dim out of range");
+  }
+
+  // linears: 4 x (codes, scales, offsets, bias) for qkv, o, gate_up, down; an empty bias means none.
+  // sizes: 4 x (bits, group_size, out_features).
+  void add_layer(at::Tensor attn_norm, at::Tensor mlp_norm, std::vector<at::Tensor> linears,
+                 std::vector<int64_t> sizes) {
+    TORCH_CHECK(linears.size() == 16 && sizes.size() == 12, "4 linears: 4 tensors and 3 sizes each");
+    Linear w[4];
+    for (int i = 0; i < 4; ++i) {
+      const at::Tensor& bias = linears[4 * i + 3];
+      w[i] = {linears[4 * i], linears[4 * i + 1], linears[4 * i + 2],
+              bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt, sizes[3 * i], sizes[3 * i + 1],
+              sizes[3 * i + 2]};
+    }
+    const int64_t q = num_heads_ * head_dim_, kv = num_kv_heads_ * head_dim_;
+    TORCH_CHECK(w[0].out_features == q + 2 * kv && w[2].out_features == 2 * intermediate_size_ &&
+                    w[1].out_features == w[3].out_features && w[1].out_features == attn_norm.numel(),
+                "linear shapes do not fit the stack");
+    layers_.push_back({attn_norm.contiguous(), mlp_norm.contiguous(), w[0], w[1], w[2], w[3]});
+  }
+
+  // x: (T, C) embedded tokens; cos, sin: (T, D) RoPE tables in x's dtype; the rest is one step's
+  // paged-attention metadata and the pool (kvcache/paged_attention.py). Returns the final-normed (T, C).
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
+                     std::vector<at::Tensor> v_caches, at::Tensor slot_mapping, at::Tensor block_tables,
+                     at::Tensor seq_lens, at::Tensor query_start_loc, int64_t max_query_len, int64_t max_seq_len,
+                     std::vector<double> k_scales, std::vector<double> v_scales) {
+    const size_t n = layers_.size();
+    TORCH_CHECK(k_caches.size() == n && v_caches.size() == n && k_scales.size() == n && v_scales.size() == n,
+                "one cache and scale per layer");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == final_norm_.numel(), "x must be (T, hidden)");
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+    TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
+                    cos.numel() == x.size(0) * head_dim_ && sin.numel() == cos.numel() && cos.is_contiguous() &&
+                    sin.is_contiguous(),
+                "cos and sin must be (T, head_dim) in x's dtype");
+    TORCH_CHECK(final_norm_.scalar_type() == x.scalar_type(), "the weights' dtype is x's");
+    if (x.scalar_type() == at::kBFloat16) {
+      return run<c10::BFloat16>(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens,
+                                query_start_loc, max_query_len, max_seq_len, k_scales, v_scales);
+    }
+    return run<float>(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens, query_start_loc,
+                      max_query_len, max_seq_len, k_scales, v_scales);
+  }
+
+  int64_t num_layers() const { return int64_t(layers_.size()); }
+
+ private:
+  template <typename T>
+  at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                 std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches,
+                 const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                 const at::Tensor& query_start_loc, int64_t max_query_len, int64_t max_seq_len,
+                 const std::vector<double>& k_scales, const std::vector<double>& v_scales) {
+    const int64_t t = x_in.size(0), c = x_in.size(1), d = head_dim_;
+    const int64_t h = num_heads_, hkv = num_kv_heads_, width = intermediate_size_;
+    const double scale = 1.0 / std::sqrt(double(d));
+    at::Tensor x = x_in.contiguous().clone();  // (T, C) the residual stream, updated in place
+    at::Tensor normed = at::empty({t, c}, x.options());
+    at::Tensor qk = at::empty({t, h + hkv, d}, x.options());  // (T, H + Hkv, D) rotated q and k
+    at::Tensor act = at::empty({t, width}, x.options());  // (T, I)
+    T* xp = x.data_ptr<T>();
+    T* np = normed.data_ptr<T>();
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& layer = layers_[l];
+      rms_norm<T>(xp, layer.attn_norm.data_ptr<T>(), np, t, c, eps_);
+      at::Tensor qkv = quant_linear(normed, layer.qkv).contiguous();  // (T, (H + 2 Hkv) D)
+      rope<T>(qkv.data_ptr<T>(), qkv.size(1), cos.data_ptr<T>(), sin.data_ptr<T>(), qk.data_ptr<T>(), t, h + hkv, d);
+      at::Tensor q = qk.narrow(1, 0, h);  // (T, H, D)
+      at::Tensor k = qk.narrow(1, h, hkv);  // (T, Hkv, D)
+      at::Tensor v = qkv.view({t, h + 2 * hkv, d}).narrow(1, h + hkv, hkv);  // (T, Hkv, D)
+      at::Tensor out = paged_attention(q, k, v, k_caches[l], v_caches[l], slot_mapping, block_tables, seq_lens,
+                                       query_start_loc, max_query_len, max_seq_len, scale, k_scales[l], v_scales[l]);
+      at::Tensor o = quant_linear(out.view({t, h * d}), layer.o).contiguous();  // (T, C)
+      add_into<T>(xp, o.data_ptr<T>(), t * c);
+      rms_norm<T>(xp, layer.mlp_norm.data_ptr<T>(), np, t, c, eps_);
+      at::Tensor gate_up = quant_linear(normed, layer.gate_up).contiguous();  // (T, 2 I)
+      silu_mul<T>(gate_up.data_ptr<T>(), act.data_ptr<T>(), t, width);
+      at::Tensor down = quant_linear(act, layer.down).contiguous();  // (T, C)
+      add_into<T>(xp, down.data_ptr<T>(), t * c);
+    }
+    at::Tensor y = at::empty({t, c}, x.options());
+    rms_norm<T>(xp, final_norm_.data_ptr<T>(), y.data_ptr<T>(), t, c, eps_);
+    return y;
+  }
+
+  int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_size_;
+  float eps_;
+  at::Tensor final_norm_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(attnserve, m) {
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, at::Tensor>())
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("forward", &DecoderStack::forward);
+}

@@ -1,0 +1,82 @@
+"""Every decoder layer of a Llama-family model in one C++ call (models/csrc/decoder.cpp).
+
+A batch-1 decode step of the default model is ~270 small operations. Compiled, each still costs
+microseconds of Python, guards and dispatch in torch.compile's wrapper: perf on the engine (AVX2, 2
+threads) found ~40% of the main thread there. `NativeDecoder` runs the layer loop, the norms, RoPE
+and SwiGLU in C++ around the same packed quantized-linear and paged-attention kernels, so a step
+costs its kernels. It covers RMSNorm + RoPE + SwiGLU models whose layer linears are packed
+quantized (models/quant_linear.py) and whose attention is the C++ paged kernel; anything else runs
+compiled (server/engine/compilation.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from models.quant_linear import QuantLinear
+from models.rope import rope_cos_sin
+from models.transformer import DecoderLM
+
+
+@functools.cache
+def _load() -> None:
+    from models.native import load
+
+    load("decoder")
+
+
+def unsupported(model: DecoderLM) -> str | None:
+    """Why `model` cannot run as a NativeDecoder, or None when it can."""
+    from kvcache import ops
+
+    cfg = model.config
+    if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
+        return "runs on CPU in float32 or bfloat16 only"
+    if (cfg.norm, cfg.mlp, cfg.activation, cfg.position) != ("rmsnorm", "swiglu", "silu", "rope"):
+        return "layers other than RMSNorm + RoPE + SwiGLU"
+    if not ops.CPU_BACKEND.startswith("native"):
+        return "no C++ paged-attention kernel"
+    for layer in model.layers:
+        for linear in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if not (isinstance(linear, QuantLinear) and linear.mode == "packed"):
+                return "layer linears that are not packed quantized"
+    try:
+        _load()
+    except Exception as e:  # noqa: BLE001 - no compiler: the compiled step serves
+        return f"the C++ decoder is unavailable ({str(e).splitlines()[0]})"
+    return None
+
+
+class NativeDecoder:
+    """Called as DecoderLM is: (input_ids, positions, PagedAttention) -> final hidden states (T, C).
+
+    NOTE: holds the model's own tensors, not copies; the model must not change after this is built."""
+
+    def __init__(self, model: DecoderLM) -> None:
+        reason = unsupported(model)
+        if reason is not None:
+            raise ValueError(f"this model cannot run as a NativeDecoder: {reason}")
+        cfg = model.config
+        self.model = model
+        self.head_dim = cfg.head_dim
+        self.stack = torch.classes.attnserve.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                          cfg.intermediate_size, cfg.norm_eps,
+                                                          model.final_norm.weight.detach())
+        for layer in model.layers:
+            tensors: list[torch.Tensor] = []
+            sizes: list[int] = []
+            for linear in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                bias = linear.bias.detach() if linear.bias is not None else torch.empty(0)  # NOTE: empty = no bias
+                tensors += [linear.codes, linear.scales, linear.offsets, bias]
+                sizes += [linear.bits, linear.group_size, linear.out_features]
+            self.stack.add_layer(layer.attn_norm.weight.detach(), layer.mlp_norm.weight.detach(), tensors, sizes)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        model, m, cache = self.model, attention.meta, attention.cache
+        x = model.embed(input_ids)  # (T, C)
+        cos, sin = rope_cos_sin(positions, model.inv_freq, x.dtype)  # (T, 1, D) each
+        t = input_ids.shape[0]
+        return self.stack.forward(x, cos.view(t, self.head_dim), sin.view(t, self.head_dim), cache.k, cache.v,
+                                  m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc, m.max_query_len,
+                                  m.max_seq_len, cache.scales.k, cache.scales.v)  # (T, C)

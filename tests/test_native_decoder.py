@@ -1,0 +1,80 @@
+"""models/native_decoder.py: the layer stack in one C++ call computes what the Python model's layers
+compute (the same linear and attention kernels; norms, RoPE and SwiGLU rounded op by op as eager
+rounds them), writes the same K/V into the pool, and covers exactly the models it says it covers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache.paged_attention import AttentionMetadata, PagedAttention
+from kvcache.storage import KVCacheSpec, PagedKVCache
+from models.loader import load_for_serving
+from models.native_decoder import NativeDecoder, unsupported
+
+BLOCK = 4
+# two prompts prefilled together; then both decode while a third prompt's first chunk prefills
+STEPS = [([7, 5], [0, 0]), ([1, 1, 3], [7, 5, 0]), ([1, 1, 1], [8, 6, 3])]
+TABLES = [[0, 1, 2], [3, 4], [5]]
+
+
+def run_steps(forward, model, cache: PagedKVCache, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    outs = []
+    for query_lens, context_lens in STEPS:
+        ids = torch.randint(0, model.config.vocab_size, (sum(query_lens),), generator=gen)
+        positions = torch.cat([torch.arange(c, c + n) for n, c in zip(query_lens, context_lens)])
+        meta = AttentionMetadata.build(query_lens, context_lens, TABLES[:len(query_lens)], BLOCK)
+        with torch.inference_mode():
+            outs.append(forward(ids, positions, PagedAttention(cache, meta)))  # (T, C)
+    return outs
+
+
+CASES = [("llama", "int4", "float32"), ("llama", "int8", "float32"), ("mistral", "int4", "float32"),
+         ("qwen2", "int8", "float32"), ("llama", "int4", "bfloat16"), ("qwen2", "int8", "bfloat16")]
+
+
+@pytest.mark.parametrize("arch, scheme, dtype", CASES, ids=["-".join(c) for c in CASES])
+def test_native_decoder_equals_the_model(tiny_checkpoints, arch, scheme, dtype):
+    """GQA (llama: llama3 RoPE, tied), MQA (mistral: linear RoPE), q/k/v biases (qwen2); prefill, decode
+    and both in one step."""
+    model = load_for_serving(tiny_checkpoints[arch], dtype=dtype, quantization=scheme)
+    assert unsupported(model) is None
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # HF initialises norm weights to ones, which would hide where a product is rounded
+        for layer in model.layers:
+            for norm in (layer.attn_norm, layer.mlp_norm):
+                norm.weight.copy_(torch.rand(norm.weight.shape, generator=gen) + 0.5)
+    cfg = model.config
+    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, BLOCK)
+    ours_cache, their_cache = PagedKVCache(spec, 8), PagedKVCache(spec, 8)
+    ours = run_steps(NativeDecoder(model), model, ours_cache, seed=1)
+    theirs = run_steps(model, model, their_cache, seed=1)
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape and a.dtype == b.dtype == model.dtype
+        if dtype == "float32":  # only the order of the norms' sums differs
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        else:  # rounded where eager rounds: nearly every element is the same bf16 value
+            assert (a == b).float().mean() > 0.95, (a - b).abs().max()
+            torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.05)
+    for layer in range(cfg.num_layers):  # the same K/V written to the same slots
+        for mine, theirs_ in ((ours_cache.k[layer], their_cache.k[layer]), (ours_cache.v[layer], their_cache.v[layer])):
+            torch.testing.assert_close(mine.float(), theirs_.float(), atol=1e-4 if dtype == "float32" else 0.02,
+                                       rtol=1e-4 if dtype == "float32" else 0.02)
+            assert mine[:6].abs().sum() > 0  # the blocks the steps used were written
+
+
+def test_models_it_does_not_cover_say_why(tiny_checkpoints):
+    gpt2 = load_for_serving(tiny_checkpoints["gpt2"], dtype="float32", quantization="int8")
+    assert unsupported(gpt2) == "layers other than RMSNorm + RoPE + SwiGLU"
+    dense = load_for_serving(tiny_checkpoints["llama"], dtype="float32", quantization="none")
+    assert unsupported(dense) == "layer linears that are not packed quantized"
+    with pytest.raises(ValueError, match="not packed quantized"):
+        NativeDecoder(dense)
+
+
+def test_a_step_with_the_wrong_pool_is_an_error(tiny_checkpoints):
+    model = load_for_serving(tiny_checkpoints["llama"], dtype="float32", quantization="int8")
+    cfg = model.config
+    short = PagedKVCache(KVCacheSpec(cfg.num_layers - 1, cfg.num_kv_heads, cfg.head_dim, model.dtype, BLOCK), 8)
+    with pytest.raises(RuntimeError, match="one cache and scale per layer"):
+        run_steps(NativeDecoder(model), model, short, seed=0)
