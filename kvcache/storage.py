@@ -60,10 +60,6 @@ class PagedKVCache:
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        for t in self.k + self.v:
-            # NOTE: a pool's shape never changes: a compiled step specialises on it instead of
-            # checking, on every call, symbolic sizes and strides of each layer's K and V in Python
-            torch._dynamo.mark_static(t)
 
     @property
     def nbytes(self) -> int:

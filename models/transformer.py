@@ -41,7 +41,8 @@ class DecoderLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         if cfg.position == "rope":
-            self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
+            with torch.device("cpu"):  # NOTE: computed for real even under a meta device (models/loader.py)
+                self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
         else:
             self.inv_freq = None
         self.cpu_path = None  # set once by models.cpu_path.prepare: how this machine runs the model
