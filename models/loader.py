@@ -33,6 +33,7 @@ def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32
     nearest); embeddings and the LM head stay unquantized. Matrices the checkpoint holds quantized
     (a GGUF read with keep_quantized) stay so whatever it says."""
     from models.quant_formats import QuantizedTensor, quantize_rtn
+    from models.quant_linear import move_to_huge_pages
 
     cfg = config_from_hf(ckpt.config, ckpt.generation_config)
     tensors = hf_to_internal(cfg, dict(ckpt.tensors))
@@ -47,6 +48,7 @@ def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32
     for name, weight in quantized.items():
         _install_quantized(model, name.removesuffix(".weight"), weight, state, dtype, device)
     _share_tied_table(model, quantized, dtype)
+    move_to_huge_pages(model)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     # NOTE: a quantized module's bias came in with its codes; nothing else may be left out
     missing = [k for k in missing if k.removesuffix(".bias") + ".weight" not in quantized]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import mmap
 
 import torch
 import torch.nn.functional as F
@@ -144,6 +145,37 @@ class QuantEmbedding(nn.Module):
                                self.group_size, self.out_dtype)  # (T, C)
         offset = None if self.offset is None else self.offset[ids]
         return _dequantize(self.q[ids], self.scale[ids], offset, self.group_size, self.out_dtype)  # (T, C)
+
+
+def move_to_huge_pages(model: nn.Module) -> int:
+    """Move the packed QuantLinears' tensors into one buffer that asks for 2 MiB pages; returns its bytes.
+
+    NOTE: measured (AVX2, 2 threads, batch-1 decode steps, three alternating runs each): the default
+    model's 8.5-9.9 ms became 7.5-8.5, the Q8_0 file's 8.6-10.4 became 7.4-9.7. A decode step streams
+    every code once, and with 4 KiB pages the hardware prefetchers stop at each page's end."""
+    tensors = {id(t): t for m in model.modules() if isinstance(m, QuantLinear) and m.mode == "packed"
+               for t in (m.codes, m.scales, m.offsets) if t.device.type == "cpu" and t.numel()}
+    if not tensors or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return 0
+    starts, total = {}, 0
+    for key, t in tensors.items():
+        starts[key] = total
+        total += -(-t.nbytes // 64) * 64  # NOTE: every tensor starts on a cache line
+    arena = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # NOTE: shared memory gets no THP
+    try:
+        arena.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without transparent huge pages: 4 KiB pages, as before
+        pass
+    buffer = torch.frombuffer(arena, dtype=torch.uint8)  # NOTE: holds the mapping while any view lives
+    moved = {}
+    for key, t in tensors.items():
+        view = buffer[starts[key]:starts[key] + t.nbytes].view(t.dtype).view(t.shape)
+        moved[key] = view.copy_(t)
+    for m in model.modules():  # NOTE: a tied embedding holds the LM head's tensors too: rebound alike
+        for name, t in m._buffers.items():
+            if t is not None and id(t) in moved:
+                m._buffers[name] = moved[id(t)]
+    return total
 
 
 def _packed_rows(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor, bits: int,
