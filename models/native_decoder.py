@@ -11,12 +11,16 @@ compiled (server/engine/compilation.py).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
 from models.quant_linear import QuantLinear
 from models.rope import rope_cos_sin
 from models.transformer import DecoderLM
+
+if TYPE_CHECKING:
+    from kvcache.paged_attention import PagedAttention
 
 
 @functools.cache
@@ -72,7 +76,7 @@ class NativeDecoder:
                 sizes += [linear.bits, linear.group_size, linear.out_features]
             self.stack.add_layer(layer.attn_norm.weight.detach(), layer.mlp_norm.weight.detach(), tensors, sizes)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttention) -> torch.Tensor:
         model, m, cache = self.model, attention.meta, attention.cache
         x = model.embed(input_ids)  # (T, C)
         cos, sin = rope_cos_sin(positions, model.inv_freq, x.dtype)  # (T, 1, D) each
