@@ -51,11 +51,10 @@ def test_native_decoder_equals_the_model(tiny_checkpoints, arch, scheme, dtype):
     theirs = run_steps(model, model, their_cache, seed=1)
     for a, b in zip(ours, theirs):
         assert a.shape == b.shape and a.dtype == b.dtype == model.dtype
-        if dtype == "float32":  # only the order of the norms' sums differs
+        if dtype == "float32":  # the same sums, some in another order
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-        else:  # rounded where eager rounds: nearly every element is the same bf16 value
-            assert (a == b).float().mean() > 0.95, (a - b).abs().max()
-            torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.05)
+        else:  # rounded where eager rounds, summed in double as eager's RMSNorm: (nearly) every bit the same
+            assert (a == b).float().mean() > 0.99, (a == b).float().mean()
     for layer in range(cfg.num_layers):  # the same K/V written to the same slots
         for mine, theirs_ in ((ours_cache.k[layer], their_cache.k[layer]), (ours_cache.v[layer], their_cache.v[layer])):
             torch.testing.assert_close(mine.float(), theirs_.float(), atol=1e-4 if dtype == "float32" else 0.02,
@@ -78,3 +77,17 @@ def test_a_step_with_the_wrong_pool_is_an_error(tiny_checkpoints):
     short = PagedKVCache(KVCacheSpec(cfg.num_layers - 1, cfg.num_kv_heads, cfg.head_dim, model.dtype, BLOCK), 8)
     with pytest.raises(RuntimeError, match="one cache and scale per layer"):
         run_steps(NativeDecoder(model), model, short, seed=0)
+
+
+def test_the_default_model_in_bf16_is_eager_bit_for_bit(default_model_dir):
+    """30 layers: a bf16 rounding that differed from eager's in one element in a thousand (RMSNorm
+    summed in fp32 where eager sums in double) left 18% of the final hidden values equal to eager's,
+    and an 8-bit KV cache amplified that into another answer. Now they are eager's."""
+    model = load_for_serving(default_model_dir, dtype="bfloat16", quantization="auto")
+    assert unsupported(model) is None and model.dtype == torch.bfloat16
+    cfg = model.config
+    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, BLOCK)
+    ours = run_steps(NativeDecoder(model), model, PagedKVCache(spec, 8), seed=2)
+    theirs = run_steps(model, model, PagedKVCache(spec, 8), seed=2)
+    for a, b in zip(ours, theirs):
+        assert (a == b).float().mean() > 0.99, (a == b).float().mean()
