@@ -79,15 +79,19 @@ def test_a_step_with_the_wrong_pool_is_an_error(tiny_checkpoints):
         run_steps(NativeDecoder(model), model, short, seed=0)
 
 
-def test_the_default_model_in_bf16_is_eager_bit_for_bit(default_model_dir):
-    """30 layers: a bf16 rounding that differed from eager's in one element in a thousand (RMSNorm
-    summed in fp32 where eager sums in double) left 18% of the final hidden values equal to eager's,
-    and an 8-bit KV cache amplified that into another answer. Now they are eager's."""
-    model = load_for_serving(default_model_dir, dtype="bfloat16", quantization="auto")
-    assert unsupported(model) is None and model.dtype == torch.bfloat16
+def test_the_default_model_in_its_serving_dtype_is_eager(default_model_dir):
+    """30 layers, in the dtype `auto` serves here. bf16 (AVX512-BF16): a rounding that differed from
+    eager's in one element in a thousand (RMSNorm summed in fp32 where ATen sums in double) left 18%
+    of the final hidden values equal to eager's, and an 8-bit KV cache amplified that into another
+    answer; now they are eager's. fp32 (AVX2 and below): eager's to the order of the sums."""
+    model = load_for_serving(default_model_dir, dtype="auto", quantization="auto")
+    assert unsupported(model) is None
     cfg = model.config
     spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, BLOCK)
     ours = run_steps(NativeDecoder(model), model, PagedKVCache(spec, 8), seed=2)
     theirs = run_steps(model, model, PagedKVCache(spec, 8), seed=2)
     for a, b in zip(ours, theirs):
-        assert (a == b).float().mean() > 0.99, (a == b).float().mean()
+        if model.dtype == torch.bfloat16:
+            assert (a == b).float().mean() > 0.99, (a == b).float().mean()
+        else:
+            torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
