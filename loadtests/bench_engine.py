@@ -165,7 +165,8 @@ def bench_attnserve(args, prompts, steps, eager: bool = False, kv_cache_dtype: s
     return {"output_tokens_per_s": statistics.median(runs), "ttft_p50_s": statistics.median(ttfts),
             "runs_tokens_per_s": runs, **timings, "startup_s": startup,
             "compile_s": getattr(engine.runner, "compile_seconds", 0.0), "roofline_tokens_per_s": bw / wbytes,
-            "weight_bytes": wbytes, "copy_bandwidth_gb_s": bw / 1e9, "cpu_path": f"{engine.cpu_path.describe()} step={getattr(engine.runner, 'step', '?')}",
+            "weight_bytes": wbytes, "copy_bandwidth_gb_s": bw / 1e9,
+            "cpu_path": f"{engine.cpu_path.describe()} step={getattr(engine.runner, 'step', '?')}",
             "resident_weight_bytes": engine.model.weight_bytes(), "quantization": engine.model.quantization,
             "prefill_flops": prefill_flops(engine.model, len(steps["prefill_prompt"]))}
 

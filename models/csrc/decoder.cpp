@@ -187,8 +187,6 @@ class DecoderStack : public torch::CustomClassHolder {
                       max_query_len, max_seq_len, k_scales, v_scales);
   }
 
-  int64_t num_layers() const { return int64_t(layers_.size()); }
-
  private:
   template <typename T>
   at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
@@ -223,9 +221,8 @@ class DecoderStack : public torch::CustomClassHolder {
       at::Tensor down = quant_linear(act, layer.down).contiguous();  // (T, C)
       add_into<T>(xp, down.data_ptr<T>(), t * c);
     }
-    at::Tensor y = at::empty({t, c}, x.options());
-    rms_norm<T>(xp, final_norm_.data_ptr<T>(), y.data_ptr<T>(), t, c, eps_);
-    return y;
+    rms_norm<T>(xp, final_norm_.data_ptr<T>(), np, t, c, eps_);
+    return normed;
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_size_;
@@ -240,6 +237,5 @@ TORCH_LIBRARY_FRAGMENT(attnserve, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, at::Tensor>())
       .def("add_layer", &DecoderStack::add_layer)
-      .def("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward);
 }
