@@ -38,6 +38,9 @@ class RequestStats:
     peak_blocks: int = 0
     peak_kv_bytes: int = 0
     inter_token_latencies: list[float] = field(default_factory=list)
+    structured: str | None = None  # constrained decoding: json, json_object, regex, choice, grammar, tool_call
+    grammar_wait_s: float | None = None  # arrival -> grammar compiled (or found in the cache)
+    grammar_cache_hit: bool = False
 
     @property
     def queue_time(self) -> float | None:
@@ -210,6 +213,7 @@ class GenerateCall:
     fit_max_tokens: bool = False  # max_tokens not given: use what the context leaves (capped by params)
     stream: bool = True  # False: one chunk per sample, when it finishes
     block_hashes: tuple[bytes, ...] = ()  # the prompt's full blocks' prefix-cache hashes (cache-aware routing)
+    tools: tuple[dict, ...] | None = None  # OpenAI tool definitions for the chat template
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 STATS_EVERY_S = 0.1  # the longest a replica's view of the engine's stats goes stale while it runs
 SUMMARY_EVERY_S = 1.0  # how often the prefix-cache summary (for the router) goes out, after steps ran
 SUMMARY_MAX_KEYS = 4096  # the newest cached blocks it lists (32 KiB)
+GRAMMAR_POLL_S = 0.002  # while every request waits for its grammar: how often to look again
 
 
 class EngineCore:
@@ -51,7 +52,13 @@ class EngineCore:
             # NOTE: blocks only when idle (at most until a summary is due); while requests run,
             # commands are picked up between steps
             summary_due = engine.num_steps != self.summarized_steps
-            changed = self._drain(block=not engine.has_unfinished(), timeout=SUMMARY_EVERY_S if summary_due else None)
+            if engine.has_unfinished() and engine.last_step_empty:
+                # NOTE: nothing could run (requests wait for their grammars): wait for a command or a
+                # moment, rather than spin on empty steps
+                changed = self._drain(block=True, timeout=GRAMMAR_POLL_S)
+            else:
+                changed = self._drain(block=not engine.has_unfinished(),
+                                      timeout=SUMMARY_EVERY_S if summary_due else None)
             if self.step_delay_s and engine.has_unfinished():
                 time.sleep(self.step_delay_s)
             outputs = self._step() if engine.has_unfinished() else []

@@ -21,6 +21,7 @@ from server.engine.admission import validate_request
 from server.engine.config import EngineConfig, format_size
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.errors import InvalidRequestError
+from server.engine.grammar import GrammarCache, SequenceGrammar
 from server.engine.model_runner import ModelRunner
 from server.engine.request import Request, RequestStatus
 from server.engine.sampling_params import SamplingParams
@@ -92,6 +93,9 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = GrammarCache(tokenizer, cfg.vocab_size, self.eos_token_ids)
+        self.compiling: list[Request] = []  # constrained requests whose grammar is not ready yet
+        self.last_step_empty = False  # nothing could run (e.g. every request waits for its grammar)
         self.info = ModelInfo(self.max_model_len, cfg.attention_kind, cfg.num_kv_heads, self.kv_spec.bytes_per_token,
                               cfg.vocab_size, config.block_size, num_blocks, cfg.num_heads, dtype_name(kv_dtype),
                               self.cpu_path, model.quantization, self.weight_bytes)
@@ -127,6 +131,12 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
+        if params.structured is not None:
+            compiled, cache_hit = self.grammars.get(params.structured)
+            for req in group:
+                req.grammar = SequenceGrammar(params.structured, compiled, cache_hit)
+                req.stats.structured = params.structured.label
+            self.compiling.extend(group)
         self.groups[request_id] = group
         self.scheduler.add(group)
 
@@ -161,23 +171,46 @@ class LLMEngine:
 
     # ---- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        failed = self._start_grammars() if self.compiling else []
         out = self.scheduler.schedule()
+        self.last_step_empty = out.is_empty
         if out.is_empty:
-            return []
+            return failed
         self.num_steps += 1
         try:
             result = self.runner.execute(self.runner.prepare(out))
         except Exception as e:  # a failed step fails its requests, never the engine
             logger.exception("model step failed")
             self.num_step_errors += 1
-            return [self._final(s.request, "error", (), error=f"{type(e).__name__}: {e}") for s in out.seqs]
+            return failed + [self._final(s.request, "error", (), error=f"{type(e).__name__}: {e}") for s in out.seqs]
         self.scheduler.advance(out)
         now = time.monotonic()
         samplers = [s.request for s in out.seqs if s.samples]
         outputs = [self._on_token(r, t, lp, now) for r, t, lp in zip(samplers, result.token_ids, result.logprobs)]
-        return [o for o in outputs if o is not None]
+        return failed + [o for o in outputs if o is not None]
+
+    def _start_grammars(self) -> list[RequestOutput]:
+        """Give each request whose grammar finished compiling its matcher; fail those that did not compile."""
+        failed, pending = [], []
+        for req in self.compiling:
+            if req.is_finished:
+                continue
+            if not req.grammar.compiled.done():
+                pending.append(req)
+                continue
+            error = req.grammar.start()
+            req.stats.grammar_wait_s, req.stats.grammar_cache_hit = req.grammar.wait_s, req.grammar.cache_hit
+            if error is not None:
+                failed.append(self._final(req, "error", (), error=error))
+        self.compiling = pending
+        return failed
 
     def _on_token(self, req: Request, token: int, logprob: TokenLogprob | None, now: float) -> RequestOutput | None:
+        grammar = req.grammar
+        if grammar is not None and not grammar.accept(token):
+            # NOTE: the mask left the model no token (a grammar with no way on): the sequence ends
+            # where it stands, and its text never leaves the grammar
+            return self._final(req, "stop", ())
         req.append_token(token, now)
         self.num_generated_tokens += 1
         if logprob is not None:
@@ -186,6 +219,8 @@ class LLMEngine:
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             reason = "stop"  # the stop token itself adds no text
         elif req.detokenizer is not None and req.detokenizer.append(token) is not None:
+            reason = "stop"
+        elif grammar is not None and grammar.is_terminated:
             reason = "stop"
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"

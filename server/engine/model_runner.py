@@ -13,6 +13,7 @@ from kvcache.storage import PagedKVCache
 from models.native_decoder import NativeDecoder, unsupported
 from models.transformer import DecoderLM
 from server.engine.compilation import compile_model
+from server.engine.grammar import apply_bitmask, fill_bitmask
 from server.wire import TokenLogprob
 from server.engine.sampler import SamplingBatch, sample
 from server.engine.scheduler import SchedulerOutput
@@ -29,6 +30,7 @@ class Batch:
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # (S,) row of the last token of each sampling sequence
     sampling: SamplingBatch
+    grammar_masks: tuple[torch.Tensor, list[int]] | None = None  # (S, V/32) allowed-token bits, constrained rows
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,9 @@ class ModelRunner:
             [s.num_new_tokens for s in out.seqs], [s.num_computed_tokens for s in out.seqs],
             [s.block_ids for s in out.seqs], self.cache.spec.block_size, self.device,
         )
+        # NOTE: a matcher's state is its sequence's tokens so far, so the masks are filled before the step
+        masks = fill_bitmask([r.grammar for r in sampling], self.model.config.vocab_size) \
+            if any(r.grammar is not None for r in sampling) else None
         return Batch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
@@ -109,6 +114,7 @@ class ModelRunner:
                 prompt_token_ids=tuple(r.prompt_token_ids for r in sampling),
                 output_token_ids=tuple(r.output_token_ids for r in sampling),
             ),
+            grammar_masks=masks,
         )
 
     @torch.inference_mode()
@@ -117,5 +123,7 @@ class ModelRunner:
         if not len(batch.logits_indices):
             return StepResult((), ())
         logits = self.model.lm_head(hidden[batch.logits_indices])  # (S, V) in the model's dtype
+        if batch.grammar_masks is not None:
+            apply_bitmask(logits, batch.grammar_masks)  # every sampling field then applies inside the mask
         tokens, logprobs = sample(logits, batch.sampling)
         return StepResult(tuple(tokens), tuple(logprobs))

@@ -7,6 +7,7 @@ import time
 import torch
 
 from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.grammar import SequenceGrammar
 from server.engine.sampling_params import SamplingParams
 from server.wire import RequestStats, TokenLogprob
 
@@ -37,6 +38,7 @@ class Request:
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] = []
         self.stats = RequestStats(arrival_time if arrival_time is not None else time.monotonic(), len(prompt_token_ids))
+        self.grammar: SequenceGrammar | None = None  # constrained decoding (set by the engine)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed((params.seed + index) % 2**63)
@@ -53,6 +55,11 @@ class Request:
     def num_new_tokens(self) -> int:
         """Tokens whose K/V is not computed yet (1 while decoding)."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_ready(self) -> bool:
+        """False while its grammar compiles: the scheduler passes over it meanwhile."""
+        return self.grammar is None or not self.grammar.is_pending
 
     @property
     def is_finished(self) -> bool:

@@ -12,6 +12,36 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a constrained request's text must match (compiled by xgrammar: server/engine/grammar.py).
+
+    `spec` is text in every kind, so that it is the grammar's cache key: a JSON schema, a regex, an
+    EBNF grammar, or the choices as a JSON list. `kind` labels the metrics (`label`, e.g. tool_call).
+    JSON allows no free whitespace unless `any_whitespace`: a small model otherwise fills max_tokens
+    with newlines inside an object.
+    """
+
+    kind: str
+    spec: str = ""
+    any_whitespace: bool = False
+    label: str = ""
+    param: str = "structured_outputs"  # the request field it came from: errors name it
+
+    def __post_init__(self) -> None:
+        _check(self.kind in STRUCTURED_KINDS, "structured_outputs", f"kind must be one of {', '.join(STRUCTURED_KINDS)}")
+        _check(isinstance(self.spec, str), "structured_outputs", "the spec must be text")
+        if not self.label:
+            object.__setattr__(self, "label", self.kind)
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        return self.kind, self.spec, self.any_whitespace
+
+
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(f"{param}: {message}", param)
@@ -36,6 +66,7 @@ class SamplingParams:
     logprobs: int | None = None  # alternatives per token; 0 = only the sampled token's logprob
     n: int = 1
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # constrained decoding: the text must match this
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -80,13 +80,16 @@ class Scheduler:
             budget -= n
             self._track_peak(req)
         while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            req = self.waiting[0]
+            # NOTE: a request whose grammar still compiles keeps its place; the ones behind it go ahead
+            req = self.waiting[0] if self.waiting[0].is_ready else next((r for r in self.waiting if r.is_ready), None)
+            if req is None:
+                break
             first = req.stats.first_scheduled_time is None
             hit = self.kv.find_prefix(req.request_id, req.all_token_ids)
             n = min(req.num_tokens - hit.num_tokens, budget)
             if self.kv.allocate_slots(req.request_id, hit.num_tokens + n, hit) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = hit.num_tokens

@@ -1,0 +1,157 @@
+"""Constrained decoding with xgrammar: grammars compiled off the engine loop and cached by their
+text, one matcher per sequence, a token bitmask for the constrained rows of a step only.
+
+xgrammar is imported on first use: a replica or an engine that never sees a constrained request
+never loads it.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Sequence
+
+import torch
+
+from server.engine.errors import InvalidRequestError
+from server.engine.sampling_params import StructuredOutput
+
+CACHE_SIZE = 256  # compiled grammars kept (a JSON schema's is ~100 KB with this vocabulary)
+_XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def _xgr():
+    import xgrammar
+
+    return xgrammar
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    """`root ::= "a" | "b"`: JSON's string escapes are EBNF's (\\", \\\\, \\n, \\t)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def to_grammar(spec: StructuredOutput) -> Any:
+    """The spec as an `xgrammar.Grammar` (no tokenizer needed: cheap). Raises ValueError with
+    xgrammar's own message when it cannot be compiled."""
+    xgr = _xgr()
+    try:
+        if spec.kind in ("json", "json_object"):
+            text = spec.spec if spec.kind == "json" else '{"type": "object"}'
+            return xgr.Grammar.from_json_schema(text, any_whitespace=spec.any_whitespace, strict_mode=True)
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.spec)
+        if spec.kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(spec.spec)))
+        return xgr.Grammar.from_ebnf(spec.spec)
+    except RuntimeError as e:
+        raise ValueError(_XGRAMMAR_PREFIX.sub("", str(e).strip()).splitlines()[0]) from None
+
+
+def check(spec: StructuredOutput, param: str) -> None:
+    """The replica's check, before a request reaches the engine: a 400 naming `param`."""
+    try:
+        to_grammar(spec)
+    except ValueError as e:
+        what = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
+                "grammar": "EBNF grammar"}[spec.kind]
+        raise InvalidRequestError(f"{param}: this {what} cannot be compiled: {e}", param) from None
+
+
+class GrammarCache:
+    """Compiled grammars by (kind, text, whitespace), compiled on one background thread.
+
+    NOTE: compiling never runs on the engine loop: `get` returns a future at once, and the
+    scheduler leaves a request waiting until its grammar is ready (xgrammar releases the GIL
+    while it compiles, so steps go on meanwhile)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self._compiler = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._futures: OrderedDict[tuple, Future] = OrderedDict()
+        self._lock = threading.Lock()  # the compiler is built once, in the compile thread
+
+    def get(self, spec: StructuredOutput) -> tuple[Future, bool]:
+        """(future compiled grammar, whether it was cached or already compiling)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer", "structured_outputs")
+        fut = self._futures.get(spec.key)
+        if fut is not None and not (fut.done() and fut.exception() is not None):
+            self._futures.move_to_end(spec.key)
+            return fut, True
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        fut = self._executor.submit(self._compile, spec)
+        self._futures[spec.key] = fut
+        while len(self._futures) > CACHE_SIZE:
+            self._futures.popitem(last=False)
+        return fut, False
+
+    def _compile(self, spec: StructuredOutput) -> Any:
+        return self.compiler().compile_grammar(to_grammar(spec))
+
+    def compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgr()
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                # NOTE: our futures are the cache; xgrammar's own would hold every grammar twice
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+
+class SequenceGrammar:
+    """One sequence's matcher. Its state follows the sequence's output tokens, which preemption
+    (by recompute) keeps: nothing to roll back there."""
+
+    def __init__(self, spec: StructuredOutput, compiled: Future, cache_hit: bool) -> None:
+        self.spec, self.compiled, self.cache_hit = spec, compiled, cache_hit
+        self.started_at = time.monotonic()
+        self.wait_s: float | None = None  # arrival -> grammar ready (compile, or queue behind one)
+        self.matcher = None
+
+    @property
+    def is_pending(self) -> bool:
+        return self.matcher is None
+
+    def start(self) -> str | None:
+        """Once the compile finished: make the matcher; the error's text where it failed."""
+        error = self.compiled.exception()
+        self.wait_s = time.monotonic() - self.started_at
+        if error is not None:
+            return f"{self.spec.kind} could not be compiled: {error}"
+        self.matcher = _xgr().GrammarMatcher(self.compiled.result())
+        return None
+
+    def accept(self, token_id: int) -> bool:
+        try:
+            return bool(self.matcher.accept_token(token_id))
+        except Exception:  # noqa: BLE001 - an id out of range: the grammar cannot take it
+            return False
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+def fill_bitmask(grammars: Sequence[SequenceGrammar | None], vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
+    """One step's masks: (S, ceil(V / 32)) int32 bits (1 = allowed) and the rows that are
+    constrained; None when no row is (a step without constrained requests does nothing here)."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return None
+    bitmask = _xgr().allocate_token_bitmask(len(grammars), vocab_size)  # (S, W): all allowed
+    for i in rows:
+        grammars[i].matcher.fill_next_token_bitmask(bitmask, i)
+    return bitmask, rows
+
+
+def apply_bitmask(logits: torch.Tensor, masks: tuple[torch.Tensor, list[int]]) -> None:
+    """Disallowed tokens' logits -> -inf, in place, in the constrained rows."""
+    bitmask, rows = masks
+    _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
