@@ -50,6 +50,7 @@ def one_two_five(lo: float, hi: float) -> tuple[float, ...]:
 
 
 KV_BYTES_BUCKETS = one_two_five(1e4, 1e11)
+GRAMMAR_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 def seq_len_bucket(n: int) -> str:
@@ -74,17 +75,19 @@ class _Histogram:
         return {"buckets": self.buckets, "series": {k: list(v) for k, v in self.series.items()}}
 
 
-# name -> (help, buckets, labelled by seq_len_bucket)
+# name -> (help, buckets, the label its series are keyed by or None)
 HISTOGRAMS = {
-    "time_to_first_token_seconds": ("Time to first token, by prompt+output length", TTFT_BUCKETS, True),
-    "inter_token_latency_seconds": ("Gap between consecutive output tokens", ITL_BUCKETS, True),
-    "e2e_request_latency_seconds": ("Arrival to last token", LATENCY_BUCKETS, True),
-    "request_queue_time_seconds": ("Arrival to first scheduling", LATENCY_BUCKETS, True),
-    "request_prefill_time_seconds": ("First scheduling to first token", LATENCY_BUCKETS, True),
-    "request_kv_cache_bytes": ("Peak KV-cache bytes held by one request", KV_BYTES_BUCKETS, True),
-    "request_kv_blocks": ("Peak KV blocks held by one request", None, True),
-    "request_prompt_tokens": ("Prompt tokens per request", None, False),
-    "request_generation_tokens": ("Generated tokens per request", None, False),
+    "time_to_first_token_seconds": ("Time to first token, by prompt+output length", TTFT_BUCKETS, "seq_len_bucket"),
+    "inter_token_latency_seconds": ("Gap between consecutive output tokens", ITL_BUCKETS, "seq_len_bucket"),
+    "e2e_request_latency_seconds": ("Arrival to last token", LATENCY_BUCKETS, "seq_len_bucket"),
+    "request_queue_time_seconds": ("Arrival to first scheduling", LATENCY_BUCKETS, "seq_len_bucket"),
+    "request_prefill_time_seconds": ("First scheduling to first token", LATENCY_BUCKETS, "seq_len_bucket"),
+    "request_kv_cache_bytes": ("Peak KV-cache bytes held by one request", KV_BYTES_BUCKETS, "seq_len_bucket"),
+    "request_kv_blocks": ("Peak KV blocks held by one request", None, "seq_len_bucket"),
+    "request_prompt_tokens": ("Prompt tokens per request", None, None),
+    "request_generation_tokens": ("Generated tokens per request", None, None),
+    "grammar_compile_seconds": ("A constrained request's arrival to its grammar ready (compiled, or from the "
+                                "cache: cache=hit)", GRAMMAR_BUCKETS, "cache"),
 }
 COUNTERS = {
     "prompt_tokens": "Prompt tokens processed",
@@ -108,6 +111,7 @@ class MetricsRecorder:
                                                                   else token_buckets))
                            for name, (_, b, _) in HISTOGRAMS.items()}
         self.finish_reasons: dict[str, int] = {}
+        self.structured: dict[str, int] = {}  # constrained requests by kind
         self.errors: dict[str, int] = {}
         self.recent: deque = deque(maxlen=RECENT_REQUESTS)
         self.lock = threading.Lock()
@@ -130,6 +134,10 @@ class MetricsRecorder:
             if s.peak_blocks:
                 h["request_kv_cache_bytes"].observe(key, s.peak_kv_bytes)
                 h["request_kv_blocks"].observe(key, s.peak_blocks)
+            if s.structured is not None:
+                self.structured[s.structured] = self.structured.get(s.structured, 0) + 1
+            if s.grammar_wait_s is not None:
+                h["grammar_compile_seconds"].observe("hit" if s.grammar_cache_hit else "miss", s.grammar_wait_s)
             h["request_prompt_tokens"].observe("", s.num_prompt_tokens)
             h["request_generation_tokens"].observe("", s.num_output_tokens)
             itl = sum(s.inter_token_latencies) / len(s.inter_token_latencies) if s.inter_token_latencies else None
@@ -146,6 +154,7 @@ class MetricsRecorder:
         with self.lock:
             hist = {name: h.export() for name, h in self.histograms.items()}
             reasons, errors, recent = dict(self.finish_reasons), dict(self.errors), list(self.recent)
+            structured = dict(self.structured)
         bytes_per_block = info.kv_bytes_per_token * info.block_size
         return {
             "labels": self.labels,
@@ -156,6 +165,7 @@ class MetricsRecorder:
                 "preemptions": e.num_preemptions,
             },
             "finish_reasons": reasons,
+            "structured": structured,
             "errors": errors,
             "gauges": {
                 "kv_blocks_total": info.num_blocks, "kv_blocks_used": e.num_used_blocks,
@@ -228,8 +238,11 @@ class _SnapshotCollector:
         finished = CounterMetricFamily(f"{PREFIX}_requests", "Finished requests by reason", labels=labels + ["finish_reason"])
         errors = CounterMetricFamily(f"{PREFIX}_request_errors", "Failed or rejected requests by error type",
                                      labels=labels + ["error_type"])
-        hists = {name: HistogramMetricFamily(f"{PREFIX}_{name}", help_, labels=labels + (["seq_len_bucket"] if by_len else []))
-                 for name, (help_, _, by_len) in HISTOGRAMS.items()}
+        structured = CounterMetricFamily(f"{PREFIX}_structured_requests",
+                                         "Finished constrained requests by kind (json, json_object, regex, choice, "
+                                         "grammar, tool_call)", labels=labels + ["kind"])
+        hists = {name: HistogramMetricFamily(f"{PREFIX}_{name}", help_, labels=labels + ([label] if label else []))
+                 for name, (help_, _, label) in HISTOGRAMS.items()}
         for key, snaps in groups.items():
             lv = list(key)
             live = fresh(snaps, self.now)
@@ -250,14 +263,16 @@ class _SnapshotCollector:
                 g["weight_bytes"].add_metric(lv + [weights[0]], weights[1])
             for name, fam in counters.items():
                 fam.add_metric(lv, sum(s["counters"][name] for s in snaps))
-            for field, fam in (("finish_reasons", finished), ("errors", errors)):
+            for field, fam in (("finish_reasons", finished), ("errors", errors), ("structured", structured)):
                 merged: dict[str, int] = {}
                 for s in snaps:
-                    for k, v in s[field].items():
+                    for k, v in s.get(field, {}).items():
                         merged[k] = merged.get(k, 0) + v
                 for k, v in sorted(merged.items()):
                     fam.add_metric(lv + [k], v)
             for name, fam in hists.items():
+                if name not in snaps[0]["histograms"]:  # an older replica's snapshot
+                    continue
                 buckets = snaps[0]["histograms"][name]["buckets"]
                 merged_series: dict[str, list] = {}
                 for s in snaps:
@@ -275,6 +290,7 @@ class _SnapshotCollector:
         yield from counters.values()
         yield finished
         yield errors
+        yield structured
         yield from hists.values()
 
 
