@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 from server.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
-from server.engine.sampling_params import SamplingParams
+from server.engine.sampling_params import SamplingParams, StructuredOutput
 from server.protocol import (AttentionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest, error_body)
+from server.tools import ToolCallParser, ToolChoice, assemble, call_schema
 from server.wire import AttentionCall, AttentionMap, Chunk, GenerateCall, LogprobEntry, ModelInfo, PromptInfo
 
 
@@ -88,7 +89,8 @@ class OpenAIApi:
             self._infos[name] = await self._client(name).info()
         return self._infos[name]
 
-    def _params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, body, max_tokens: int | None, logprobs: int | None,
+                structured: StructuredOutput | None = None) -> SamplingParams:
         if body.n > self.limits.max_n:
             raise ApiError(400, f"n must be <= {self.limits.max_n}", param="n")
         if max_tokens is not None and max_tokens > self.limits.max_tokens:
@@ -101,6 +103,7 @@ class OpenAIApi:
                 kw[name] = getattr(body, name)
         kw["stop"] = tuple(body.stop or ())
         kw["stop_token_ids"] = tuple(body.stop_token_ids or ())
+        kw["structured"] = structured if structured is not None else _structured(body)
         try:
             return SamplingParams(**kw)
         except InvalidRequestError as e:
@@ -230,14 +233,24 @@ class OpenAIApi:
             raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
         requested = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._params(body, requested, logprobs)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        choice = _tool_choice(body, tools)
+        schema = call_schema(tools, choice) if choice is not None else None
+        if schema is not None and _structured(body) is not None:
+            raise ApiError(400, "a required or named tool_choice fixes the answer's format: drop response_format "
+                           "or structured_outputs", param="tool_choice")
+        constraint = StructuredOutput("json", json.dumps(schema), label="tool_call", param="tools") \
+            if schema is not None else None
+        params = self._params(body, requested, logprobs, constraint)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         messages = tuple(m.as_template_input() for m in body.messages)
         call = GenerateCall(params, messages=messages, request_id=f"{rid}-0", fit_max_tokens=requested is None,
-                            stream=body.stream)
-        return await self._run(client, [call], body, rid, "chat.completion", chat=True)
+                            stream=body.stream, tools=tuple(tools) if tools and choice.mode != "none" else None)
+        parsing = choice if choice is not None and choice.mode != "none" else None
+        return await self._run(client, [call], body, rid, "chat.completion", chat=True, tools=parsing)
 
-    async def _run(self, client, calls, body, rid: str, obj: str, chat: bool) -> dict[str, Any] | AsyncIterator[str]:
+    async def _run(self, client, calls, body, rid: str, obj: str, chat: bool,
+                   tools: ToolChoice | None = None) -> dict[str, Any] | AsyncIterator[str]:
         self._admit_stream()
         try:
             streams = await self._start(client, calls)
@@ -250,7 +263,7 @@ class OpenAIApi:
             usage = ("continuous" if opts and opts.continuous_usage_stats else
                      "final" if opts and opts.include_usage else None)
             return SSEStream(self._stream(streams, rid, obj + (".chunk" if chat else ""), created, body.model, n,
-                                          chat, usage), streams, self._release_stream)
+                                          chat, usage, tools), streams, self._release_stream)
         try:
             samples = [[_Sample() for _ in range(n)] for _ in streams]
             async for i, chunk in self._merge(streams):
@@ -263,6 +276,12 @@ class OpenAIApi:
                 choice: dict[str, Any] = {"index": i * n + j, "finish_reason": s.finish_reason}
                 if chat:
                     choice["message"] = {"role": "assistant", "content": s.text}
+                    if tools is not None and s.finish_reason == "stop":
+                        parser = ToolCallParser(tools)
+                        content, calls = assemble(parser.feed(s.text) + parser.finish())
+                        if calls:
+                            choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                            choice["finish_reason"] = "tool_calls"
                     choice["logprobs"] = _chat_logprobs(s.logprobs) if s.logprobs is not None else None
                 else:
                     choice["text"] = s.text
@@ -271,9 +290,12 @@ class OpenAIApi:
         return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices,
                 "usage": _usage([info for _, info in streams], samples)}
 
-    async def _stream(self, streams, rid, obj, created, model, n, chat, usage: str | None) -> AsyncIterator[str]:
-        """`usage`: None, "final" (one last usage chunk) or "continuous" (usage so far on every chunk too)."""
+    async def _stream(self, streams, rid, obj, created, model, n, chat, usage: str | None,
+                      tools: ToolChoice | None = None) -> AsyncIterator[str]:
+        """`usage`: None, "final" (one last usage chunk) or "continuous" (usage so far on every chunk too).
+        `tools`: how the chat's text turns into tool_calls deltas (None: it stays content)."""
         samples = [[_Sample() for _ in range(n)] for _ in streams]
+        parsers = [[ToolCallParser(tools) for _ in range(n)] for _ in streams] if tools is not None else None
         infos = [info for _, info in streams]
         head = {"id": rid, "object": obj, "created": created, "model": model}
         try:
@@ -287,7 +309,19 @@ class OpenAIApi:
                     yield sse(error_body(chunk.error, "server_error", code=500))
                     continue
                 choice: dict[str, Any] = {"index": i * n + chunk.index, "finish_reason": chunk.finish_reason}
-                if chat:
+                if parsers is not None:
+                    parser = parsers[i][chunk.index]
+                    deltas = parser.feed(chunk.text) + (parser.finish() if chunk.finish_reason else [])
+                    if chunk.finish_reason == "stop" and parser.num_calls:
+                        choice["finish_reason"] = "tool_calls"
+                    for delta in deltas[:-1]:
+                        yield sse({**head, "choices": [{"index": choice["index"], "delta": delta, "logprobs": None,
+                                                        "finish_reason": None}]})
+                    if not deltas and not chunk.finish_reason and not chunk.logprobs:
+                        continue  # text held back: a <tool_call> tag may be forming
+                    choice["delta"] = deltas[-1] if deltas else {}
+                    choice["logprobs"] = _chat_logprobs(chunk.logprobs) if chunk.logprobs else None
+                elif chat:
                     choice["delta"] = {"content": chunk.text} if chunk.text else {}
                     choice["logprobs"] = _chat_logprobs(chunk.logprobs) if chunk.logprobs else None
                 else:
@@ -329,6 +363,45 @@ class SSEStream:
         for gen, _ in self.engine_streams:  # no-ops when the events already closed them
             await _close(gen)
         release()
+
+
+# ---- request fields -> engine values (pure) ----------------------------------------------------------
+def _structured(body) -> StructuredOutput | None:
+    """response_format (OpenAI) or structured_outputs (vLLM) as one constraint; None for plain text."""
+    so, rf = body.structured_outputs, body.response_format
+    if so is not None:
+        whitespace = so.disable_any_whitespace is False
+        if so.json_ is not None:
+            spec = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+            return StructuredOutput("json", spec, whitespace)
+        if so.json_object:
+            return StructuredOutput("json_object", "", whitespace)
+        if so.regex is not None:
+            return StructuredOutput("regex", so.regex)
+        if so.choice is not None:
+            return StructuredOutput("choice", json.dumps(so.choice))
+        return StructuredOutput("grammar", so.grammar)
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return StructuredOutput("json_object", param="response_format")
+    return StructuredOutput("json", json.dumps(rf.json_schema.schema_), label="json_schema", param="response_format")
+
+
+def _tool_choice(body, tools: list[dict] | None) -> ToolChoice | None:
+    """OpenAI's default: auto with tools, none without; a named function must be one of `tools`."""
+    choice, parallel = body.tool_choice, body.parallel_tool_calls is not False
+    if tools is None:
+        if choice not in (None, "none"):
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    if choice is None or isinstance(choice, str):
+        return ToolChoice(choice or "auto", parallel=parallel)
+    names = [t["function"]["name"] for t in tools]
+    if choice.function.name not in names:
+        raise ApiError(400, f"tool_choice names the function {choice.function.name!r}, which is not in tools "
+                       f"({', '.join(names)})", param="tool_choice")
+    return ToolChoice("named", choice.function.name, parallel)
 
 
 # ---- formatting helpers (pure) -----------------------------------------------------------------

@@ -4,6 +4,7 @@ No Ray here: the Serve deployment wraps a ModelWorker, and unit tests can use on
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import asdict, replace
 from typing import Any, AsyncIterator, Sequence
 
@@ -13,6 +14,8 @@ from server.engine.admission import check_token_ids, validate_request
 from server.engine.config import EngineConfig
 from server.engine.core_client import EngineCoreClient
 from server.engine.errors import InvalidRequestError, QueueFullError
+from server.engine.grammar import check as check_grammar
+from server.tools import template_messages
 from server.metrics import MetricsRecorder
 from server.wire import (AttentionCall, AttentionMap, Chunk, GenerateCall, LogprobEntry, ModelInfo, PromptInfo,
                          RequestOutput, StepOutputs, TokenLogprob)
@@ -41,13 +44,17 @@ def byte_level_bytes(piece: str) -> tuple[int, ...] | None:
 
 
 def encode_prompt(tokenizer: Any, model: str, prompt: str | None = None, messages: Sequence[dict] | None = None,
-                  add_special_tokens: bool = True) -> list[int]:
-    """A prompt's token ids: the text tokenized, or the messages through the chat template."""
+                  add_special_tokens: bool = True, tools: Sequence[dict] | None = None) -> list[int]:
+    """A prompt's token ids: the text tokenized, or the messages (and tools) through the chat template."""
     if messages is not None:
         if not tokenizer.chat_template:
             raise InvalidRequestError(f"model {model!r} has no chat template", "messages")
-        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                            return_dict=True)["input_ids"]
+        messages, extra = template_messages(messages, tools, tokenizer.chat_template)
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=True, **extra)["input_ids"]
+        except Exception as e:  # noqa: BLE001 - templates raise what they like (jinja's TemplateError, ...)
+            raise InvalidRequestError(f"the chat template cannot render these messages: {e}", "messages") from None
         return list(ids)
     return list(tokenizer(prompt or "", add_special_tokens=add_special_tokens)["input_ids"])
 
@@ -123,8 +130,14 @@ class ModelWorker:
         if call.prompt_token_ids is not None:
             ids = list(call.prompt_token_ids)
         else:
-            ids = self.encode(call.prompt, call.messages)
+            ids = encode_prompt(self.tokenizer, self.name, call.prompt, call.messages, tools=call.tools)
         params = call.params
+        if params.structured is not None:
+            try:  # NOTE: off the event loop: a large schema takes a while, and other streams go on meanwhile
+                await asyncio.to_thread(check_grammar, params.structured, params.structured.param)
+            except InvalidRequestError:
+                self.metrics.on_error("invalid_request")
+                raise
         if call.fit_max_tokens:
             params = replace(params, max_tokens=max(1, min(params.max_tokens, self.info.max_model_len - len(ids))))
         try:

@@ -53,7 +53,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
     ({"temperature": "hot"}, "temperature"), ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"),
     ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "x"}, "max_tokens"),
     ({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    ({"frequency_penalty": 9}, "frequency_penalty"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"frequency_penalty": 9}, "frequency_penalty"), ({"tools": [{"type": "function"}]}, "tools.0.function"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"stop": ["x"] * 40}, "stop"), ({"n": 99}, "n"),
     ({"max_tokens": 100000}, "max_tokens"),
 ])

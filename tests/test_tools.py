@@ -1,0 +1,102 @@
+"""Tool calling's pure parts: the schemas decoding is held to, templating of tools and history,
+and the parser that turns text (whole or in chunks of any size) into OpenAI tool_calls."""
+import json
+
+import jsonschema
+import pytest
+
+from server.tools import HERMES_SYSTEM, ToolCallParser, ToolChoice, assemble, call_schema, template_messages
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+NOW = {"type": "function", "function": {"name": "now"}}  # no parameters: an empty object
+
+
+def parse(choice: ToolChoice, text: str, chunk: int) -> tuple[str | None, list[dict], list[dict]]:
+    parser, deltas = ToolCallParser(choice), []
+    for i in range(0, len(text), chunk):
+        deltas += parser.feed(text[i:i + chunk])
+    deltas += parser.finish()
+    return (*assemble(deltas), deltas)
+
+
+def test_call_schemas():
+    named = call_schema([WEATHER, NOW], ToolChoice("named", "get_weather"))
+    assert named == WEATHER["function"]["parameters"]
+    required = call_schema([WEATHER, NOW], ToolChoice("required"))
+    jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}],
+                        required)
+    for bad in ([], [{"name": "get_weather", "arguments": {}}], [{"name": "nope", "arguments": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, required)
+    single = call_schema([WEATHER], ToolChoice("required", parallel=False))
+    assert single["maxItems"] == 1
+    assert call_schema([WEATHER], ToolChoice("auto")) is None
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_named_arguments_stream_as_they_come(chunk):
+    text = '{"city": "Pa\\"ris}"}'
+    content, calls, deltas = parse(ToolChoice("named", "get_weather"), text, chunk)
+    assert content is None and [c["function"] for c in calls] == [{"name": "get_weather", "arguments": text}]
+    first = deltas[0]["tool_calls"][0]
+    assert first["id"].startswith("call_") and first["function"] == {"name": "get_weather", "arguments": ""}
+    assert len(deltas) == 1 + -(-len(text) // chunk)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_required_array_elements_go_out_as_each_closes(chunk):
+    text = '[{"name": "get_weather", "arguments": {"city": "}]\\"{"}}, {"name": "now", "arguments": {}}]'
+    content, calls, deltas = parse(ToolChoice("required"), text, chunk)
+    assert content is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": '}]"{'}), ("now", {})]
+    assert [d["tool_calls"][0]["index"] for d in deltas] == [0, 1]
+    assert len({c["id"] for c in calls}) == 2
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 7, 1000])
+def test_auto_reads_hermes_tags_around_content(chunk):
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+    content, calls, deltas = parse(ToolChoice("auto"), text, chunk)
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "now"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert not any("<tool" in d.get("content", "") for d in deltas)
+
+
+@pytest.mark.parametrize("text", ["Plain answer, no calls.", "a < b and <tool_ca", "x <tool_call>{not json}</tool_call> y",
+                                  "unclosed <tool_call>{\"name\": \"now\""])
+def test_auto_keeps_text_that_is_no_call_as_content(text):
+    for chunk in (1, 5, 1000):
+        content, calls, _ = parse(ToolChoice("auto"), text, chunk)
+        assert calls == [] and content == text
+
+
+def test_plain_template_gets_the_hermes_prompt_and_history_as_text():
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+    ]
+    out, extra = template_messages(history, [WEATHER], "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert extra == {}
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.\n\n")
+    assert json.dumps(WEATHER) in out[0]["content"] and HERMES_SYSTEM.split("{tools}")[0] in out[0]["content"]
+    assert out[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": '
+                                                      '{"city": "Paris"}}\n</tool_call>'}
+    assert out[3] == {"role": "user", "content": "<tool_response>\n21 C\n</tool_response>"}
+    no_system, _ = template_messages(history[1:2], [WEATHER], "plain")
+    assert no_system[0]["role"] == "system" and no_system[1] == history[1]
+
+
+def test_template_that_takes_tools_gets_them_and_arguments_as_objects():
+    history = [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
+    out, extra = template_messages(history, [WEATHER], "{% if tools %}...{% endif %}")
+    assert extra == {"tools": [WEATHER]}
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert history[0]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # the caller's copy untouched
