@@ -28,3 +28,20 @@ def test_bench_engine_quick_run(tiny_checkpoints, tmp_path, capsys):
     assert "skipped:" in table and "make peers" in table
     assert "batch-1 decode profile" in table and "batch-32 decode profile" in table and "Self CPU time total" in table
     assert "cold compile cache" in table and "attnserve path: device=cpu isa=" in table
+
+
+def test_bench_structured_quick_run(tiny_checkpoints, tmp_path, capsys):
+    from loadtests.bench_structured import main as bench_structured
+
+    out = tmp_path / "structured.json"
+    bench_structured(["--model", str(tiny_checkpoints["llama"]), "--dtype", "float32", "--batches", "1", "4",
+                      "--max-tokens", "6", "--repeats", "1", "--num-schemas", "2", "--answer-tokens", "8",
+                      "--peers-venv", str(tmp_path / "no-venv"), "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert "make peers" in data["vllm"]["skipped"]
+    ours = data["attnserve"]
+    assert set(ours["tok_s"]) == {"1", "4"} and all(min(t.values()) > 0 for t in ours["tok_s"].values())
+    assert ours["ttft_ms"]["new"] > 0 and ours["compile_ms"]["cold"][0] > ours["compile_ms"]["cached"][0]
+    assert len(ours["answers"]) == 50
+    table = capsys.readouterr().out
+    assert "step overhead" in table and "TTFT, new schema" in table and "parse and validate" in table
