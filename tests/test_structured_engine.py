@@ -7,12 +7,13 @@ import threading
 
 import jsonschema
 import pytest
+import torch
 
 from loadtests.structured_schemas import SCHEMAS, messages
 from models import load_model, load_tokenizer
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.errors import InvalidRequestError
-from server.engine.grammar import GrammarCache, check
+from server.engine.grammar import GrammarCache, apply_bitmask, check
 from server.engine.sampling_params import StructuredOutput
 from server.worker import encode_prompt
 from tests.tiny import mixed_prompts
@@ -175,3 +176,25 @@ def test_default_model_answers_50_varied_schemas_validly(default_model_dir, temp
         assert result.finish_reason == "stop", (what, result.text[-200:])
         jsonschema.validate(json.loads(result.text), schema)
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3]])
+def test_apply_bitmask_equals_xgrammars_own(dtype, rows):
+    """Our unpacking of the mask words sets exactly the logits xgrammar's kernel sets to -inf."""
+    import xgrammar
+
+    vocab = 1000  # not a multiple of 32: the last word is partly padding
+    gen = torch.Generator().manual_seed(len(rows))
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), -(-vocab // 32)), dtype=torch.int32, generator=gen)
+    bitmask[0, :5] = -1  # all allowed
+    bitmask[-1, 5:9] = 0  # none allowed
+    logits = torch.randn(4, vocab, generator=gen).to(dtype)
+    ours, theirs = logits.clone(), logits.clone()
+    apply_bitmask(ours, (bitmask, rows))
+    full = torch.full((4, bitmask.shape[1]), -1, dtype=torch.int32)
+    full[rows] = bitmask
+    xgrammar.apply_token_bitmask_inplace(theirs, full, vocab_size=vocab, indices=rows)
+    assert torch.equal(ours, theirs)
+    assert not torch.isinf(ours[rows[0], :160]).any() and torch.isinf(ours[rows[-1], 160:288]).all()
+    assert all(torch.equal(ours[r], logits[r]) for r in range(4) if r not in rows)
