@@ -54,7 +54,8 @@ def workload(args, tokenizer) -> dict:
 
 
 def bench_attnserve(args) -> dict:
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_blocks=2048, max_num_seqs=64))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization, num_blocks=2048,
+                                    max_num_seqs=64))
     spec = workload(args, engine.tokenizer)
     long = StructuredOutput("json", spec["long_schema"])
 
@@ -171,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="auto", help="attnserve's weights (vLLM always reads the bf16 checkpoint)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)

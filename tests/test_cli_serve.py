@@ -51,6 +51,10 @@ def test_make_serve_answers_the_readme_snippets_and_stops_on_sigterm():
         res = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120, env=env())
         assert res.returncode == 0, res.stderr
         assert "Paris" in res.stdout
+        snippet = readme_block("python", "response_format=City").replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        res = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120, env=env())
+        assert res.returncode == 0, res.stderr
+        assert "name='Paris'" in res.stdout and "name='get_weather'" in res.stdout, res.stdout
     finally:
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)
