@@ -100,3 +100,29 @@ def test_template_that_takes_tools_gets_them_and_arguments_as_objects():
     assert extra == {"tools": [WEATHER]}
     assert out[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert history[0]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # the caller's copy untouched
+
+
+TOOLS_TEMPLATE = (  # the shape of Qwen's and Hermes' templates: tools in the system turn, calls as JSON
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }}:{{ t.function.parameters | tojson }}\n"
+    "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.arguments | tojson }}</tool_call>"
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("template", ["tools", "plain"])
+def test_the_worker_renders_tools_through_either_kind_of_template(template):
+    from server.worker import encode_prompt
+    from tests.tiny import CHAT_TEMPLATE, train_tokenizer
+
+    tok = train_tokenizer()
+    tok.chat_template = TOOLS_TEMPLATE if template == "tools" else CHAT_TEMPLATE
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "c", "content": "21 C"}]
+    text = tok.decode(encode_prompt(tok, "tiny", messages=history, tools=[WEATHER]))
+    assert "get_weather" in text and '"city"' in text and "21 C" in text
+    if template == "tools":  # the template's own rendering: arguments as an object, tools its way
+        assert '<tool_call>{"city": "Paris"}</tool_call>' in text and "<tools>" not in text
+    else:  # the Hermes prompt and history as text
+        assert "<tools>" in text and "<tool_response>\n21 C\n</tool_response>" in text
