@@ -221,8 +221,9 @@ class RayModelClient:
             self._block_size = (await self.info()).block_size
         ids = call.prompt_token_ids
         if ids is None:
-            ids = tuple(encode_prompt(self.tokenizer, self.name, call.prompt, call.messages))
-        return replace(call, prompt=None, messages=None, prompt_token_ids=ids,
+            # NOTE: with the call's tools: the model replica takes these ids as the prompt
+            ids = tuple(encode_prompt(self.tokenizer, self.name, call.prompt, call.messages, tools=call.tools))
+        return replace(call, prompt=None, messages=None, tools=None, prompt_token_ids=ids,
                        block_hashes=tuple(prompt_block_hashes(ids, self._block_size)))
 
     async def info(self) -> ModelInfo:

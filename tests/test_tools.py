@@ -126,3 +126,37 @@ def test_the_worker_renders_tools_through_either_kind_of_template(template):
         assert '<tool_call>{"city": "Paris"}</tool_call>' in text and "<tools>" not in text
     else:  # the Hermes prompt and history as text
         assert "<tools>" in text and "<tool_response>\n21 C\n</tool_response>" in text
+
+
+def test_a_routing_ingress_tokenizes_the_tools_into_the_prompt():
+    """With cache-aware routing the ingress tokenizes the chat; the replica takes its ids as they
+    are, so the tools must be in them (a routed app once dropped them)."""
+    import asyncio
+
+    from server.deployment import RayModelClient
+    from server.engine.sampling_params import SamplingParams
+    from server.wire import GenerateCall
+    from server.worker import encode_prompt
+    from tests.tiny import train_tokenizer
+
+    class Info:
+        block_size = 4
+
+    class Method:
+        async def remote(self):
+            return Info()
+
+    class Handle:
+        info = Method()
+
+        def options(self, **_):
+            return self
+
+    tok = train_tokenizer()
+    messages = ({"role": "user", "content": "Weather?"},)
+    client = RayModelClient(Handle(), tok, "tiny")
+    call = GenerateCall(SamplingParams(), messages=messages, tools=(WEATHER,))
+    routed = asyncio.run(client._routable(call))
+    assert list(routed.prompt_token_ids) == encode_prompt(tok, "tiny", messages=messages, tools=[WEATHER])
+    assert len(routed.prompt_token_ids) > len(encode_prompt(tok, "tiny", messages=messages))
+    assert routed.tools is None and routed.messages is None and routed.block_hashes
