@@ -3,6 +3,7 @@ model, the official OpenAI SDK (`beta.chat.completions.parse`, `tools`, streamin
 SDK), vLLM's `structured_outputs`, 400s that name the field, and the metrics."""
 import json
 import re
+import time
 
 import httpx
 import openai
@@ -180,13 +181,18 @@ def test_bad_input_is_a_400_naming_the_field_and_holds_no_block(url, body, param
 
 
 def test_metrics_count_structured_requests_and_time_their_grammars(url, client):
+    time.sleep(2.5)  # NOTE: replicas push metrics every second: earlier tests' requests land first
     before = scrape(url)
     for _ in range(2):  # a miss, then a hit
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, temperature=0,
                                        extra_body={"structured_outputs": {"regex": "[A-Z][a-z]{2,6} metrics"}})
     client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20)
-    after = scrape(url)
-    grown = lambda name, **labels: total(after, name, **labels) - total(before, name, **labels)  # noqa: E731
+    for _ in range(30):  # until both have been reported
+        after = scrape(url)
+        grown = lambda name, **labels: total(after, name, **labels) - total(before, name, **labels)  # noqa: E731
+        if grown("attnserve_grammar_compile_seconds_count", model=MODEL) >= 2:
+            break
+        time.sleep(0.5)
     assert grown("attnserve_structured_requests_total", model=MODEL, kind="regex") == 2
     assert grown("attnserve_grammar_compile_seconds_count", model=MODEL, cache="miss") == 1
     assert grown("attnserve_grammar_compile_seconds_count", model=MODEL, cache="hit") == 1
