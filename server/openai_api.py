@@ -90,7 +90,7 @@ class OpenAIApi:
         return self._infos[name]
 
     def _params(self, body, max_tokens: int | None, logprobs: int | None,
-                structured: StructuredOutput | None = None) -> SamplingParams:
+                structured: StructuredOutput | None) -> SamplingParams:
         if body.n > self.limits.max_n:
             raise ApiError(400, f"n must be <= {self.limits.max_n}", param="n")
         if max_tokens is not None and max_tokens > self.limits.max_tokens:
@@ -103,7 +103,7 @@ class OpenAIApi:
                 kw[name] = getattr(body, name)
         kw["stop"] = tuple(body.stop or ())
         kw["stop_token_ids"] = tuple(body.stop_token_ids or ())
-        kw["structured"] = structured if structured is not None else _structured(body)
+        kw["structured"] = structured
         try:
             return SamplingParams(**kw)
         except InvalidRequestError as e:
@@ -219,7 +219,7 @@ class OpenAIApi:
         prompts = body.prompts()
         if len(prompts) > self.limits.max_prompts:
             raise ApiError(400, f"at most {self.limits.max_prompts} prompts per request", param="prompt")
-        params = self._params(body, body.max_tokens, body.logprobs)
+        params = self._params(body, body.max_tokens, body.logprobs, _structured(body))
         rid = f"cmpl-{uuid.uuid4().hex}"
         calls = [GenerateCall(params, prompt=p if isinstance(p, str) else None,
                               prompt_token_ids=tuple(p) if isinstance(p, list) else None, request_id=f"{rid}-{i}",
@@ -236,12 +236,13 @@ class OpenAIApi:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         choice = _tool_choice(body, tools)
         schema = call_schema(tools, choice) if choice is not None else None
-        if schema is not None and _structured(body) is not None:
-            raise ApiError(400, "a required or named tool_choice fixes the answer's format: drop response_format "
-                           "or structured_outputs", param="tool_choice")
-        constraint = StructuredOutput("json", json.dumps(schema), label="tool_call", param="tools") \
-            if schema is not None else None
-        params = self._params(body, requested, logprobs, constraint)
+        structured = _structured(body)
+        if schema is not None:
+            if structured is not None:
+                raise ApiError(400, "a required or named tool_choice fixes the answer's format: drop "
+                               "response_format or structured_outputs", param="tool_choice")
+            structured = StructuredOutput("json", json.dumps(schema), label="tool_call", param="tools")
+        params = self._params(body, requested, logprobs, structured)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         messages = tuple(m.as_template_input() for m in body.messages)
         call = GenerateCall(params, messages=messages, request_id=f"{rid}-0", fit_max_tokens=requested is None,

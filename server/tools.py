@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -112,7 +112,6 @@ class ToolCallParser:
     _in_string: bool = False
     _escape: bool = False
     _start: int | None = None
-    _deltas: list = field(default_factory=list)
 
     def feed(self, text: str) -> list[dict]:
         if not text:
@@ -183,13 +182,13 @@ class ToolCallParser:
                 if len(buf) > keep:
                     out.append({"content": buf[:len(buf) - keep]})
                 self._buffer = buf[len(buf) - keep:]
-                return [d for d in out if d.get("content") != ""]
+                return out
             end = buf.find(TOOL_CALL_CLOSE, start)
             if end < 0 and not final:
                 if buf[:start]:
                     out.append({"content": buf[:start]})
                 self._buffer = buf[start:]
-                return [d for d in out if d.get("content") != ""]
+                return out
             body = buf[start + len(TOOL_CALL_OPEN):end if end >= 0 else len(buf)]
             item = _loads(body.strip())
             if buf[:start]:
@@ -202,7 +201,7 @@ class ToolCallParser:
                 out.append({"content": buf[start:end + len(TOOL_CALL_CLOSE) if end >= 0 else len(buf)]})
             self._buffer = buf[end + len(TOOL_CALL_CLOSE):] if end >= 0 else ""
             if end < 0:
-                return [d for d in out if d.get("content") != ""]
+                return out
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -132,16 +132,12 @@ class ModelWorker:
         else:
             ids = encode_prompt(self.tokenizer, self.name, call.prompt, call.messages, tools=call.tools)
         params = call.params
-        if params.structured is not None:
-            try:  # NOTE: off the event loop: a large schema takes a while, and other streams go on meanwhile
-                await asyncio.to_thread(check_grammar, params.structured, params.structured.param)
-            except InvalidRequestError:
-                self.metrics.on_error("invalid_request")
-                raise
         if call.fit_max_tokens:
             params = replace(params, max_tokens=max(1, min(params.max_tokens, self.info.max_model_len - len(ids))))
         try:
             validate_request(self.info, ids, params)  # NOTE: the one validation of a request
+            if params.structured is not None:  # off the event loop: a large schema takes a while
+                await asyncio.to_thread(check_grammar, params.structured)
             stream = self.engine.generate(ids, params, call.request_id, coalesce=True, final_only=not call.stream)
         except InvalidRequestError:
             self.metrics.on_error("invalid_request")

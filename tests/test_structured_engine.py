@@ -158,7 +158,7 @@ def test_a_grammar_that_fails_to_compile_ends_its_request_with_an_error(tiny, mo
 ])
 def test_check_names_the_field_of_a_grammar_that_cannot_compile(spec, param):
     with pytest.raises(InvalidRequestError) as e:
-        check(spec, spec.param)
+        check(spec)
     assert e.value.param == param and "cannot be compiled" in str(e.value)
 
 

@@ -199,7 +199,8 @@ class LLMEngine:
                 pending.append(req)
                 continue
             error = req.grammar.start()
-            req.stats.grammar_wait_s, req.stats.grammar_cache_hit = req.grammar.wait_s, req.grammar.cache_hit
+            req.stats.grammar_wait_s = time.monotonic() - req.stats.arrival_time
+            req.stats.grammar_cache_hit = req.grammar.cache_hit
             if error is not None:
                 failed.append(self._final(req, "error", (), error=error))
         self.compiling = pending

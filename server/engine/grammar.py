@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
@@ -51,14 +50,14 @@ def to_grammar(spec: StructuredOutput) -> Any:
         raise ValueError(_XGRAMMAR_PREFIX.sub("", str(e).strip()).splitlines()[0]) from None
 
 
-def check(spec: StructuredOutput, param: str) -> None:
-    """The replica's check, before a request reaches the engine: a 400 naming `param`."""
+def check(spec: StructuredOutput) -> None:
+    """The replica's check, before a request reaches the engine: a 400 naming the spec's field."""
     try:
         to_grammar(spec)
     except ValueError as e:
         what = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
                 "grammar": "EBNF grammar"}[spec.kind]
-        raise InvalidRequestError(f"{param}: this {what} cannot be compiled: {e}", param) from None
+        raise InvalidRequestError(f"{spec.param}: this {what} cannot be compiled: {e}", spec.param) from None
 
 
 class GrammarCache:
@@ -111,8 +110,6 @@ class SequenceGrammar:
 
     def __init__(self, spec: StructuredOutput, compiled: Future, cache_hit: bool) -> None:
         self.spec, self.compiled, self.cache_hit = spec, compiled, cache_hit
-        self.started_at = time.monotonic()
-        self.wait_s: float | None = None  # arrival -> grammar ready (compile, or queue behind one)
         self.matcher = None
 
     @property
@@ -122,7 +119,6 @@ class SequenceGrammar:
     def start(self) -> str | None:
         """Once the compile finished: make the matcher; the error's text where it failed."""
         error = self.compiled.exception()
-        self.wait_s = time.monotonic() - self.started_at
         if error is not None:
             return f"{self.spec.kind} could not be compiled: {error}"
         self.matcher = _xgr().GrammarMatcher(self.compiled.result())

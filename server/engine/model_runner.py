@@ -30,7 +30,7 @@ class Batch:
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # (S,) row of the last token of each sampling sequence
     sampling: SamplingBatch
-    grammar_masks: tuple[torch.Tensor, list[int]] | None = None  # (S, V/32) allowed-token bits, constrained rows
+    grammar_masks: tuple[torch.Tensor, list[int]] | None = None  # (R, V/32) allowed-token bits, their rows
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,7 @@ class ModelRunner:
             [s.block_ids for s in out.seqs], self.cache.spec.block_size, self.device,
         )
         # NOTE: a matcher's state is its sequence's tokens so far, so the masks are filled before the step
-        masks = fill_bitmask([r.grammar for r in sampling], self.model.config.vocab_size) \
-            if any(r.grammar is not None for r in sampling) else None
+        masks = fill_bitmask([r.grammar for r in sampling], self.model.config.vocab_size)
         return Batch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(np.concatenate(positions)).to(self.device),

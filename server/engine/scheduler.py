@@ -81,7 +81,7 @@ class Scheduler:
             self._track_peak(req)
         while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             # NOTE: a request whose grammar still compiles keeps its place; the ones behind it go ahead
-            req = self.waiting[0] if self.waiting[0].is_ready else next((r for r in self.waiting if r.is_ready), None)
+            req = next((r for r in self.waiting if r.is_ready), None)
             if req is None:
                 break
             first = req.stats.first_scheduled_time is None
