@@ -185,7 +185,7 @@ class OpenAIApi:
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         client, info = self._client(body.model), await self._info(body.model)
-        messages = [m.as_template_input() for m in body.messages] if body.messages else None
+        messages = list(_template_input(body.messages)) if body.messages else None
         try:
             ids = await client.encode(body.prompt, messages, body.add_special_tokens)
         except BaseException as e:
@@ -197,7 +197,7 @@ class OpenAIApi:
         client = self._client(body.model)
         prompt = body.prompt if isinstance(body.prompt, str) else None
         ids = tuple(body.prompt) if isinstance(body.prompt, list) else None
-        messages = tuple(m.as_template_input() for m in body.messages) if body.messages else None
+        messages = _template_input(body.messages) if body.messages else None
         call = AttentionCall(prompt, ids, messages, tuple(body.layers) if body.layers else None,
                              self.limits.max_attention_tokens)
         try:
@@ -244,7 +244,7 @@ class OpenAIApi:
             structured = StructuredOutput("json", json.dumps(schema), label="tool_call", param="tools")
         params = self._params(body, requested, logprobs, structured)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        messages = tuple(m.as_template_input() for m in body.messages)
+        messages = _template_input(body.messages)
         call = GenerateCall(params, messages=messages, request_id=f"{rid}-0", fit_max_tokens=requested is None,
                             stream=body.stream, tools=tuple(tools) if tools and choice.mode != "none" else None)
         parsing = choice if choice is not None and choice.mode != "none" else None
@@ -370,6 +370,13 @@ class SSEStream:
 def _structured(body) -> StructuredOutput | None:
     """response_format (OpenAI) or structured_outputs (vLLM) as one constraint; None for plain text."""
     so, rf = body.structured_outputs, body.response_format
+    if so is not None and rf is not None and rf.type != "text":
+        raise ApiError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+    if so is not None and so.num_given != 1:
+        raise ApiError(400, "give exactly one of json, regex, choice, grammar or json_object",
+                       param="structured_outputs")
+    if rf is not None and (rf.type == "json_schema") != (rf.json_schema is not None):
+        raise ApiError(400, "json_schema is required with type json_schema, and only there", param="response_format")
     if so is not None:
         whitespace = so.disable_any_whitespace is False
         if so.json_ is not None:
@@ -387,6 +394,13 @@ def _structured(body) -> StructuredOutput | None:
     if rf.type == "json_object":
         return StructuredOutput("json_object", param="response_format")
     return StructuredOutput("json", json.dumps(rf.json_schema.schema_), label="json_schema", param="response_format")
+
+
+def _template_input(messages) -> tuple[dict, ...]:
+    for i, m in enumerate(messages):
+        if (problem := m.problem()) is not None:
+            raise ApiError(400, problem, param=f"messages.{i}")
+    return tuple(m.as_template_input() for m in messages)
 
 
 def _tool_choice(body, tools: list[dict] | None) -> ToolChoice | None:

@@ -29,13 +29,7 @@ class JsonSchemaFormat(_Body):
 
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self):
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is required with type json_schema, and only there")
-        return self
+    json_schema: JsonSchemaFormat | None = None  # with type json_schema, and only there (OpenAIApi checks)
 
 
 class StructuredOutputs(_Body):
@@ -50,13 +44,9 @@ class StructuredOutputs(_Body):
     # vLLM's name; None: the server's setting (no free whitespace unless `--structured-any-whitespace`)
     disable_any_whitespace: StrictBool | None = None
 
-    @model_validator(mode="after")
-    def _exactly_one(self):
-        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
-        given += ["json_object"] if self.json_object else []
-        if len(given) != 1:
-            raise ValueError("give exactly one of json, regex, choice, grammar or json_object")
-        return self
+    @property
+    def num_given(self) -> int:
+        return sum(getattr(self, k) is not None for k in ("json_", "regex", "choice", "grammar")) + bool(self.json_object)
 
 
 class _SamplingFields(_Body):
@@ -96,9 +86,6 @@ class _SamplingFields(_Body):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
-        if self.structured_outputs is not None and self.response_format is not None and \
-                self.response_format.type != "text":
-            raise ValueError("give response_format or structured_outputs, not both")
         return self
 
 
@@ -161,15 +148,16 @@ class ChatMessage(_Body):
     tool_call_id: StrictStr | None = None  # tool: the call this answers
     refusal: StrictStr | None = None  # sent back by clients that echo an assistant message; unused
 
-    @model_validator(mode="after")
-    def _content_or_calls(self):
+    def problem(self) -> str | None:
+        """What makes this message unusable, checked by OpenAIApi once the model is known: as
+        OpenAI does, a bad model is a 404 first (and the schema stays one any message fits)."""
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
+            return f"a {self.role} message needs content"
         if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
+            return "only assistant messages carry tool_calls"
         if (self.role == "tool") != (self.tool_call_id is not None):
-            raise ValueError("tool messages need tool_call_id, and only they have one")
-        return self
+            return "tool messages need tool_call_id, and only they have one"
+        return None
 
     def as_template_input(self) -> dict[str, Any]:
         text = self.content if isinstance(self.content, str) or self.content is None else \
