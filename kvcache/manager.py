@@ -114,6 +114,20 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[request_id] = num_full
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Keep the blocks holding the first `num_tokens` tokens; the rest go back to the pool
+        (speculative decoding: KV written for drafts that verification rejected)."""
+        blocks = self.req_blocks.get(request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        # NOTE: only full, computed blocks are ever cached, and every one of those is kept: a dropped
+        # block holds no hash, so the prefix cache never sees a rejected token
+        if self.num_cached_blocks.get(request_id, 0) > keep:
+            raise ValueError(f"request {request_id}: cannot trim below its cached blocks")
+        self.pool.free(reversed(blocks[keep:]))
+        del blocks[keep:]
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks (finish, abort or preemption); tail blocks are evicted first."""
         blocks = self.req_blocks.pop(request_id, [])

@@ -59,7 +59,7 @@ def _engine_config(args: argparse.Namespace, model: str = "default"):
         kv_cache_memory=None if args.num_blocks else args.kv_cache_memory, num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, num_threads=args.threads, enforce_eager=args.enforce_eager,
-        max_waiting=getattr(args, "max_waiting", None),
+        max_waiting=getattr(args, "max_waiting", None), speculative_config=args.speculative_config,
     )
 
 
@@ -325,6 +325,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch threads for model steps")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the model eagerly: no torch.compile (faster start, slower steps)")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                        'or \'{"method": "draft_model", "model": "default", "num_speculative_tokens": 3}\' '
+                        "(docs/speculative.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:

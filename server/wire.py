@@ -41,6 +41,16 @@ class RequestStats:
     structured: str | None = None  # constrained decoding: json, json_object, regex, choice, grammar, tool_call
     grammar_wait_s: float | None = None  # arrival -> grammar compiled (or found in the cache)
     grammar_cache_hit: bool = False
+    spec_drafted: list[int] = field(default_factory=list)  # speculative decoding: drafts offered at position i
+    spec_accepted: list[int] = field(default_factory=list)  # ... and accepted at position i
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(self.spec_drafted)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(self.spec_accepted)
 
     @property
     def queue_time(self) -> float | None:
@@ -119,6 +129,7 @@ class ModelInfo:
     cpu_path: CpuPath  # how the engine computes on its machine (ISA, dtype, linears, attention kernel)
     quantization: str  # the weights as served: none, int8, int4_g32, int4_g128, or a GGUF's types (Q4_1+Q8_0)
     weight_bytes: int  # bytes the weights take as served (with kv_cache_memory auto: memory_budget - this = KV pool)
+    speculative: str | None = None  # speculative decoding's method (ngram, draft_model), None when off
 
 
 # ---- replica <-> engine process ------------------------------------------------------------------

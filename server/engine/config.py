@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from models.cpu_path import DTYPES, QUANTIZATIONS
+from server.engine.spec_config import SpeculativeConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
@@ -67,6 +68,8 @@ class EngineConfig:
     # True: models/native_decoder.py runs the layers of a model it covers (RMSNorm + RoPE + SwiGLU,
     # packed quantized linears) in one C++ call; False: they are compiled as every other model is
     native_decoder: bool = True
+    # speculative decoding (server/engine/spec_config.py): JSON text, a mapping or a SpeculativeConfig; None: off
+    speculative_config: SpeculativeConfig | dict | str | None = None
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -75,6 +78,7 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
         object.__setattr__(self, "memory_budget", _positive_size("memory_budget", self.memory_budget))
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.num_blocks is None:
             if self.kv_cache_memory is None:
                 raise ValueError("give kv_cache_memory (a size or auto) or num_blocks")

@@ -23,6 +23,7 @@ from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.errors import InvalidRequestError
 from server.engine.grammar import GrammarCache, SequenceGrammar
 from server.engine.model_runner import ModelRunner
+from server.engine.proposers import DraftModelProposer, NgramProposer, Proposer, check_vocabulary
 from server.engine.request import Request, RequestStatus
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler
@@ -62,6 +63,8 @@ class LLMEngine:
         logger.log(logging.WARNING if self.cpu_path.note else logging.INFO, "attnserve engine: %s",
                    self.cpu_path.describe())
         self.model, self.tokenizer = model, tokenizer
+        self.spec = config.speculative_config
+        draft = self._load_draft() if self.spec is not None and self.spec.method == "draft_model" else None
         cfg = model.config
         self.model_config = cfg
         self.max_model_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
@@ -70,12 +73,17 @@ class LLMEngine:
         # NOTE: weight_bytes is what the weights take as served (quantized, packed): with kv_cache_memory
         # auto the pool is memory_budget minus that, so every byte quantization saves becomes KV blocks
         self.weight_bytes = model.weight_bytes()
+        # NOTE: a draft model's weights and its KV (as many blocks as the target's, fewer bytes each) come
+        # out of the same budget
+        draft_bytes = draft.weight_bytes() if draft is not None else 0
+        draft_block = DraftModelProposer.bytes_per_block(draft, config.block_size) if draft is not None else 0
         if config.num_blocks:
             num_blocks = config.num_blocks
         else:
-            budget = config.kv_budget(self.weight_bytes, model.quantization)
+            budget = config.kv_budget(self.weight_bytes + draft_bytes, model.quantization)
             try:
-                num_blocks = self.kv_spec.num_blocks_for(budget)
+                num_blocks = self.kv_spec.num_blocks_for(budget * self.kv_spec.bytes_per_block
+                                                         // (self.kv_spec.bytes_per_block + draft_block))
             except ValueError as e:
                 raise ValueError(f"{e}; weights {format_size(self.weight_bytes)}, memory_budget "
                                  f"{format_size(config.memory_budget)}, kv_cache_memory {config.kv_cache_memory}: "
@@ -85,10 +93,18 @@ class LLMEngine:
                     format_size(num_blocks * self.kv_spec.bytes_per_block))
         self.cache = PagedKVCache(self.kv_spec, num_blocks, model.device, scales_for(model, kv_dtype, tokenizer))
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   self.kv_spec.bytes_per_block)
         self.runner = ModelRunner(model, self.cache, compile=not config.enforce_eager, native=config.native_decoder)
         logger.info("attnserve step: %s", self.runner.step)
+        self.proposer: Proposer | None = None
+        if self.spec is not None:
+            self.proposer = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max) if draft is None \
+                else DraftModelProposer(ModelRunner(draft, DraftModelProposer.cache_for(draft, num_blocks, config.block_size),
+                                                    compile=not config.enforce_eager, native=config.native_decoder),
+                                        num_blocks, config.block_size)
+            logger.info("attnserve speculative decoding: %s", self.spec)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   self.kv_spec.bytes_per_block,
+                                   on_free=(lambda r: self.proposer.release(r.request_id)) if self.proposer else None)
         eos = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -98,7 +114,8 @@ class LLMEngine:
         self.last_step_empty = False  # nothing could run (e.g. every request waits for its grammar)
         self.info = ModelInfo(self.max_model_len, cfg.attention_kind, cfg.num_kv_heads, self.kv_spec.bytes_per_token,
                               cfg.vocab_size, config.block_size, num_blocks, cfg.num_heads, dtype_name(kv_dtype),
-                              self.cpu_path, model.quantization, self.weight_bytes)
+                              self.cpu_path, model.quantization, self.weight_bytes,
+                              self.spec.method if self.spec is not None else None)
         self.groups: dict[str, list[Request]] = {}
         self.num_steps = 0
         self.num_step_errors = 0
@@ -139,6 +156,14 @@ class LLMEngine:
             self.compiling.extend(group)
         self.groups[request_id] = group
         self.scheduler.add(group)
+
+    def _load_draft(self) -> DecoderLM:
+        path = resolve_model(self.spec.model)
+        draft = load_for_serving(path, self.config.dtype, self.config.device, quantization=self.spec.quantization)
+        check_vocabulary(self.model, self.tokenizer, draft, load_tokenizer(path), self.spec.model)
+        logger.info("attnserve draft model %s: %s, weights %s", self.spec.model, draft.quantization,
+                    format_size(draft.weight_bytes()))
+        return draft
 
     def _detokenizer(self, prompt: Sequence[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
@@ -183,11 +208,44 @@ class LLMEngine:
             logger.exception("model step failed")
             self.num_step_errors += 1
             return failed + [self._final(s.request, "error", (), error=f"{type(e).__name__}: {e}") for s in out.seqs]
-        self.scheduler.advance(out)
         now = time.monotonic()
-        samplers = [s.request for s in out.seqs if s.samples]
-        outputs = [self._on_token(r, t, lp, now) for r, t, lp in zip(samplers, result.token_ids, result.logprobs)]
+        samplers = [s for s in out.seqs if s.samples]
+        outputs = [self._on_tokens(s.request, t, lp, now) for s, t, lp in zip(samplers, result.token_ids, result.logprobs)]
+        # NOTE: after the tokens are appended: accepted drafts become computed tokens, hashed into full blocks
+        accepted = {s.request.request_id: len(t) - 1 for s, t in zip(samplers, result.token_ids) if s.draft_token_ids}
+        self.scheduler.advance(out, accepted)
+        if self.proposer is not None:
+            self._speculate(samplers, accepted)
         return failed + [o for o in outputs if o is not None]
+
+    def _speculate(self, samplers, accepted: dict[str, int]) -> None:
+        """Account for this step's drafts, then propose the next step's."""
+        for s in samplers:
+            req, k = s.request, len(s.draft_token_ids)
+            if not k:
+                continue
+            j, st = accepted[req.request_id], req.stats
+            st.spec_drafted.extend([0] * (k - len(st.spec_drafted)))
+            st.spec_accepted.extend([0] * (k - len(st.spec_accepted)))
+            for i in range(k):
+                st.spec_drafted[i] += 1
+                st.spec_accepted[i] += i < j
+            # NOTE: positions after the first rejection were never tested: the rate is j of min(j + 1, k) trials
+            req.draft_acceptance = 0.7 * req.draft_acceptance + 0.3 * j / min(j + 1, k)
+            if not req.is_finished:
+                self.proposer.rollback(req, req.num_computed_tokens)
+        running = [r for r in self.scheduler.running if r.num_new_tokens == 1 and r.grammar is None]
+        limit = self.spec.disable_by_batch_size
+        if not running or (limit is not None and len(self.scheduler.running) > limit):
+            return
+        caps = [min(self.spec.num_drafts(r.draft_acceptance), r.params.max_tokens - len(r.output_token_ids) - 1,
+                    self.max_model_len - r.num_tokens - 1) for r in running]
+        # NOTE: k drafts may emit k + 1 tokens: never more than max_tokens or the context allows
+        chosen = [(r, c) for r, c in zip(running, caps) if c > 0]
+        if chosen:
+            drafts = self.proposer.propose([r for r, _ in chosen], [c for _, c in chosen])
+            for (r, _), d in zip(chosen, drafts):
+                r.draft_token_ids = d
 
     def _start_grammars(self) -> list[RequestOutput]:
         """Give each request whose grammar finished compiling its matcher; fail those that did not compile."""
@@ -206,33 +264,39 @@ class LLMEngine:
         self.compiling = pending
         return failed
 
-    def _on_token(self, req: Request, token: int, logprob: TokenLogprob | None, now: float) -> RequestOutput | None:
-        grammar = req.grammar
-        if grammar is not None and not grammar.accept(token):
-            # NOTE: the mask left the model no token (a grammar with no way on): the sequence ends
-            # where it stands, and its text never leaves the grammar
-            return self._final(req, "stop", ())
-        req.append_token(token, now)
-        self.num_generated_tokens += 1
-        if logprob is not None:
-            req.logprobs.append(logprob)
-        p, reason = req.params, None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            reason = "stop"  # the stop token itself adds no text
-        elif req.detokenizer is not None and req.detokenizer.append(token) is not None:
-            reason = "stop"
-        elif grammar is not None and grammar.is_terminated:
-            reason = "stop"
-        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            reason = "length"
-        lps = (logprob,) if logprob is not None else ()
+    def _on_tokens(self, req: Request, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob | None, ...],
+                   now: float) -> RequestOutput | None:
+        """Append a step's tokens (one, or accepted drafts and one) until one of them ends the sequence."""
+        grammar, p, reason = req.grammar, req.params, None
+        new: list[int] = []
+        for token in tokens:
+            if grammar is not None and not grammar.accept(token):
+                # NOTE: the mask left the model no token (a grammar with no way on): the sequence ends
+                # where it stands, and its text never leaves the grammar
+                reason = "stop"
+                break
+            req.append_token(token, now)
+            new.append(token)
+            self.num_generated_tokens += 1
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                reason = "stop"  # the stop token itself adds no text
+            elif req.detokenizer is not None and req.detokenizer.append(token) is not None:
+                reason = "stop"
+            elif grammar is not None and grammar.is_terminated:
+                reason = "stop"
+            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                break
+        lps = tuple(lp for lp in logprobs[:len(new)] if lp is not None)
+        req.logprobs.extend(lps)
         if reason is None:
             text = req.detokenizer.flush(False) if req.detokenizer else ""
             if req.final_only:
                 req.text_parts.append(text)
                 return None
-            return RequestOutput(req.group_id, req.index, (token,), text, False, None, lps)
-        return self._final(req, reason, (token,), lps)
+            return RequestOutput(req.group_id, req.index, tuple(new), text, False, None, lps)
+        return self._final(req, reason, tuple(new), lps)
 
     def _final(self, req: Request, reason: str, tokens: tuple[int, ...], lps: tuple = (), error: str | None = None) -> RequestOutput:
         """Finish `req` (freeing its blocks) and build its last output."""

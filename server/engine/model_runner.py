@@ -14,6 +14,7 @@ from models.native_decoder import NativeDecoder, unsupported
 from models.transformer import DecoderLM
 from server.engine.compilation import compile_model
 from server.engine.grammar import apply_bitmask, fill_bitmask
+from server.engine.rejection_sampler import verify
 from server.wire import TokenLogprob
 from server.engine.sampler import SamplingBatch, sample
 from server.engine.scheduler import SchedulerOutput
@@ -28,17 +29,19 @@ class Batch:
     input_ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
     attn: AttentionMetadata
-    logits_indices: torch.Tensor  # (S,) row of the last token of each sampling sequence
-    sampling: SamplingBatch
+    logits_indices: torch.Tensor  # (R,) the rows that sample: each sampling sequence's last token and drafts
+    sampling: SamplingBatch  # one entry per logits row
     grammar_masks: tuple[torch.Tensor, list[int]] | None = None  # (R, V/32) allowed-token bits, their rows
+    draft_token_ids: tuple[tuple[int, ...], ...] | None = None  # per sampling sequence, when any has drafts
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """Sampled tokens, aligned with the sequences of SchedulerOutput that sample."""
+    """Per sequence of SchedulerOutput that samples: its new tokens (accepted drafts, then one
+    sampled token) and their logprobs (None where not asked for)."""
 
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob | None, ...]
+    token_ids: tuple[tuple[int, ...], ...]
+    logprobs: tuple[tuple[TokenLogprob | None, ...], ...]
 
 
 class ModelRunner:
@@ -89,31 +92,40 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[np.ndarray] = []
         logits_rows: list[int] = []
-        sampling = [s.request for s in out.seqs if s.samples]
+        rows: list[tuple] = []  # per logits row: (request, output tokens so far, grammar)
         for s in out.seqs:
-            c, n = s.num_computed_tokens, s.num_new_tokens
-            ids.extend(s.request.all_token_ids[c:c + n])
-            positions.append(np.arange(c, c + n))
+            c, n, req, drafts = s.num_computed_tokens, s.num_new_tokens, s.request, s.draft_token_ids
+            ids.extend(req.all_token_ids[c:c + n])
+            ids.extend(drafts)
+            positions.append(np.arange(c, c + s.query_len))
             if s.samples:
-                logits_rows.append(len(ids) - 1)
+                first = len(ids) - 1 - len(drafts)
+                logits_rows.extend(range(first, len(ids)))
+                rows.append((req, req.output_token_ids, req.grammar))
+                # NOTE: row i of a sequence with drafts follows drafts[:i]: its penalties count them as output
+                # (a constrained request gets no drafts, so masks stay one row per sequence)
+                rows.extend((req, req.output_token_ids + list(drafts[:i + 1]) if req.params.has_penalties else
+                             req.output_token_ids, None) for i in range(len(drafts)))
         attn = AttentionMetadata.build(
-            [s.num_new_tokens for s in out.seqs], [s.num_computed_tokens for s in out.seqs],
+            [s.query_len for s in out.seqs], [s.num_computed_tokens for s in out.seqs],
             [s.block_ids for s in out.seqs], self.cache.spec.block_size, self.device,
         )
         # NOTE: a matcher's state is its sequence's tokens so far, so the masks are filled before the step
-        masks = fill_bitmask([r.grammar for r in sampling], self.model.config.vocab_size)
+        masks = fill_bitmask([g for _, _, g in rows], self.model.config.vocab_size)
+        drafts = tuple(s.draft_token_ids for s in out.seqs if s.samples)
         return Batch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
             attn=attn,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
             sampling=SamplingBatch(
-                params=tuple(r.params for r in sampling),
-                generators=tuple(r.generator for r in sampling),
-                prompt_token_ids=tuple(r.prompt_token_ids for r in sampling),
-                output_token_ids=tuple(r.output_token_ids for r in sampling),
+                params=tuple(r.params for r, _, _ in rows),
+                generators=tuple(r.generator for r, _, _ in rows),
+                prompt_token_ids=tuple(r.prompt_token_ids for r, _, _ in rows),
+                output_token_ids=tuple(o for _, o, _ in rows),
             ),
             grammar_masks=masks,
+            draft_token_ids=drafts if any(drafts) else None,
         )
 
     @torch.inference_mode()
@@ -124,5 +136,8 @@ class ModelRunner:
         logits = self.model.lm_head(hidden[batch.logits_indices])  # (S, V) in the model's dtype
         if batch.grammar_masks is not None:
             apply_bitmask(logits, batch.grammar_masks)  # every sampling field then applies inside the mask
+        if batch.draft_token_ids is not None:
+            tokens, logprobs = verify(logits, batch.sampling, batch.draft_token_ids)
+            return StepResult(tuple(map(tuple, tokens)), tuple(map(tuple, logprobs)))
         tokens, logprobs = sample(logits, batch.sampling)
-        return StepResult(tuple(tokens), tuple(logprobs))
+        return StepResult(tuple((t,) for t in tokens), tuple((lp,) for lp in logprobs))

@@ -39,6 +39,8 @@ class Request:
         self.logprobs: list[TokenLogprob] = []
         self.stats = RequestStats(arrival_time if arrival_time is not None else time.monotonic(), len(prompt_token_ids))
         self.grammar: SequenceGrammar | None = None  # constrained decoding (set by the engine)
+        self.draft_token_ids: list[int] = []  # speculative decoding: proposed to follow, verified next step
+        self.draft_acceptance = 1.0  # moving average of the fraction of drafts accepted (adaptive k)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed((params.seed + index) % 2**63)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from kvcache.manager import KVCacheManager
 from server.engine.request import Request, RequestStatus
@@ -21,6 +22,11 @@ class ScheduledSeq:
     num_new_tokens: int
     num_computed_tokens: int  # before this step
     block_ids: tuple[int, ...]
+    draft_token_ids: tuple[int, ...] = ()  # speculative decoding: verified after the request's last token
+
+    @property
+    def query_len(self) -> int:
+        return self.num_new_tokens + len(self.draft_token_ids)
 
     @property
     def samples(self) -> bool:
@@ -38,8 +44,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, bytes_per_block: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, bytes_per_block: int,
+                 on_free: Callable[[Request], None] | None = None) -> None:
         self.kv = kv
+        self.on_free = on_free  # a request's blocks were freed (finish or preemption): e.g. a draft model's KV too
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.bytes_per_block = bytes_per_block
@@ -60,24 +68,31 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        chosen: dict[str, tuple[Request, int, int]] = {}
+        chosen: dict[str, tuple[Request, int, int, tuple[int, ...]]] = {}
         preempted: list[Request] = []
+        # NOTE: drafts take only what is left once every running request has its one token
+        spare = budget - len(self.running)
         for req in sorted(self.running, key=lambda r: r.num_new_tokens > 1):  # decodes first (stable)
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
             n = min(req.num_new_tokens, budget)
-            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+            drafts = tuple(req.draft_token_ids[:max(spare, 0)]) if n == req.num_new_tokens else ()
+            req.draft_token_ids = []
+            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n + len(drafts)) is None:
                 victim = self.running[-1]  # newest first
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim.request_id in chosen:
-                    budget += chosen.pop(victim.request_id)[1]
+                    _, vn, _, vdrafts = chosen.pop(victim.request_id)
+                    budget += vn + len(vdrafts)
+                    spare += len(vdrafts)
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            chosen[req.request_id] = (req, n, req.num_computed_tokens)
-            budget -= n
+            chosen[req.request_id] = (req, n, req.num_computed_tokens, drafts)
+            budget -= n + len(drafts)
+            spare -= len(drafts)
             self._track_peak(req)
         while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             # NOTE: a request whose grammar still compiles keeps its place; the ones behind it go ahead
@@ -99,10 +114,10 @@ class Scheduler:
                 self.num_prompt_tokens += req.num_prompt_tokens
                 self.num_prefix_queries += req.num_prompt_tokens if self.kv.pool.enable_caching else 0
                 self.num_prefix_hits += hit.num_tokens
-            chosen[req.request_id] = (req, n, hit.num_tokens)
+            chosen[req.request_id] = (req, n, hit.num_tokens, ())
             budget -= n
             self._track_peak(req)
-        seqs = [ScheduledSeq(r, n, c, tuple(self.kv.block_ids(r.request_id))) for r, n, c in chosen.values()]
+        seqs = [ScheduledSeq(r, n, c, tuple(self.kv.block_ids(r.request_id)), d) for r, n, c, d in chosen.values()]
         self.num_partial_prefills += sum(not s.samples for s in seqs)
         return SchedulerOutput(tuple(seqs))
 
@@ -115,19 +130,26 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
+        if self.on_free is not None:
+            self.on_free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.stats.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def advance(self, out: SchedulerOutput) -> None:
-        """Mark this step's tokens computed, cache newly full blocks, release held siblings."""
+    def advance(self, out: SchedulerOutput, num_accepted: dict[str, int] | None = None) -> None:
+        """Mark this step's tokens computed (and the drafts verification accepted, which the request
+        already holds), return the blocks of rejected drafts, cache newly full blocks, release held siblings."""
         for seq in out.seqs:
             req = seq.request
             if req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens = seq.num_computed_tokens + seq.num_new_tokens
+            if seq.draft_token_ids:
+                req.num_computed_tokens += (num_accepted or {}).get(req.request_id, 0)
+                self.kv.trim(req.request_id, req.num_computed_tokens)
             self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if req.num_computed_tokens >= req.num_prompt_tokens and req.request_id in self.held:
                 self.waiting.extendleft(reversed(self.held.pop(req.request_id)))
@@ -139,6 +161,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
+        if self.on_free is not None:
+            self.on_free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stats.finished_time = time.monotonic()
