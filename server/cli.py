@@ -80,8 +80,10 @@ def _generate(args: argparse.Namespace) -> int:
     for i, ((prompt, _), group) in enumerate(zip(prompts, results)):
         r = group[0]
         if args.json:
+            spec = {"speculative": {"drafted": r.stats.num_draft_tokens, "accepted": r.stats.num_accepted_tokens}} \
+                if engine.spec is not None else {}
             print(json.dumps({"index": i, "prompt_token_ids": prompt, "token_ids": list(r.token_ids),
-                              "text": r.text, "finish_reason": r.finish_reason}), flush=True)
+                              "text": r.text, "finish_reason": r.finish_reason, **spec}), flush=True)
         else:
             print(r.text, flush=True)
     return 0

@@ -291,3 +291,18 @@ def test_structured_requests_run_without_drafts(oracle):
     assert results[0][0].text in ("yes", "no") and results[0][0].stats.num_draft_tokens == 0
     assert results[1][0].stats.num_draft_tokens > 0
     assert_nothing_held(engine)
+
+
+def test_readme_generate_command_speculates():
+    """The README's `attnserve generate --speculative-config` line, run as a user would."""
+    import subprocess
+
+    from loadtests.servers import BIN
+    from tests.test_cli_serve import env, readme_block
+
+    line = next(x for x in readme_block("bash", "--speculative-config").splitlines() if " generate " in x)
+    out = subprocess.run(["bash", "-c", line.replace(".venv/bin/", f"{BIN}/")], capture_output=True, text=True,
+                         timeout=300, env=env(), check=True).stdout
+    result = json.loads(out.splitlines()[-1])
+    assert "quick brown fox" in result["text"]
+    assert 0 < result["speculative"]["accepted"] <= result["speculative"]["drafted"]
