@@ -96,6 +96,34 @@ COUNTERS = {
     "prefix_cache_hits": "Prompt tokens served from the prefix cache",
     "preemptions": "Requests preempted (KV blocks reclaimed, recomputed later)",
 }
+# speculative decoding, over finished requests (named after vLLM's vllm:spec_decode_*); every total
+# follows from the per-position counts, so snapshots carry only those
+SPEC_COUNTERS = {
+    "num_drafts": "Verification steps that checked drafts (one per request and step)",
+    "num_draft_tokens": "Draft tokens proposed",
+    "num_accepted_tokens": "Draft tokens accepted",
+    "num_emitted_tokens": "Tokens the verification steps emitted (accepted drafts, plus one per step)",
+}
+SPEC_POS_COUNTERS = {
+    "num_draft_tokens_per_pos": "Draft tokens proposed, by position in the draft",
+    "num_accepted_tokens_per_pos": "Draft tokens accepted, by position in the draft",
+}
+
+
+def add_positions(acc: list[int], values: Iterable[int]) -> None:
+    """acc[i] += values[i], acc grown to fit (a later request may draft further)."""
+    for i, v in enumerate(values):
+        if i == len(acc):
+            acc.append(0)
+        acc[i] += v
+
+
+def spec_totals(drafted: list[int], accepted: list[int]) -> dict[str, int]:
+    """SPEC_COUNTERS from per-position counts: a step with k drafts counts at positions 0..k-1 and
+    emits its accepted drafts plus one token, so position 0 counts the steps."""
+    drafts, num_accepted = (drafted[0] if drafted else 0), sum(accepted)
+    return {"num_drafts": drafts, "num_draft_tokens": sum(drafted), "num_accepted_tokens": num_accepted,
+            "num_emitted_tokens": num_accepted + drafts}
 
 
 class MetricsRecorder:
@@ -113,6 +141,8 @@ class MetricsRecorder:
         self.finish_reasons: dict[str, int] = {}
         self.structured: dict[str, int] = {}  # constrained requests by kind
         self.errors: dict[str, int] = {}
+        self.spec_drafted: list[int] = []  # speculative decoding: drafts at position i, summed over requests
+        self.spec_accepted: list[int] = []
         self.recent: deque = deque(maxlen=RECENT_REQUESTS)
         self.lock = threading.Lock()
 
@@ -138,6 +168,8 @@ class MetricsRecorder:
                 self.structured[s.structured] = self.structured.get(s.structured, 0) + 1
             if s.grammar_wait_s is not None:
                 h["grammar_compile_seconds"].observe("hit" if s.grammar_cache_hit else "miss", s.grammar_wait_s)
+            add_positions(self.spec_drafted, s.spec_drafted)
+            add_positions(self.spec_accepted, s.spec_accepted)
             h["request_prompt_tokens"].observe("", s.num_prompt_tokens)
             h["request_generation_tokens"].observe("", s.num_output_tokens)
             itl = sum(s.inter_token_latencies) / len(s.inter_token_latencies) if s.inter_token_latencies else None
@@ -155,6 +187,7 @@ class MetricsRecorder:
             hist = {name: h.export() for name, h in self.histograms.items()}
             reasons, errors, recent = dict(self.finish_reasons), dict(self.errors), list(self.recent)
             structured = dict(self.structured)
+            spec = {"drafted": list(self.spec_drafted), "accepted": list(self.spec_accepted)}
         bytes_per_block = info.kv_bytes_per_token * info.block_size
         return {
             "labels": self.labels,
@@ -166,6 +199,7 @@ class MetricsRecorder:
             },
             "finish_reasons": reasons,
             "structured": structured,
+            "spec_decode": spec,
             "errors": errors,
             "gauges": {
                 "kv_blocks_total": info.num_blocks, "kv_blocks_used": e.num_used_blocks,
@@ -178,7 +212,7 @@ class MetricsRecorder:
             "static": {"kv_bytes_per_token": info.kv_bytes_per_token, "block_size": info.block_size,
                        "num_heads": info.num_heads, "num_blocks": info.num_blocks,
                        "max_model_len": info.max_model_len, "quantization": info.quantization,
-                       "weight_bytes": info.weight_bytes},
+                       "weight_bytes": info.weight_bytes, "speculative": info.speculative},
             "histograms": hist,
             "recent": recent,
         }
@@ -196,6 +230,18 @@ def resident_memory_bytes() -> int:
 def fresh(snapshots: list[dict], now: float) -> list[dict]:
     """Snapshots of replicas still reporting."""
     return [s for s in snapshots if now - s["time"] <= STALE_AFTER_S]
+
+
+def _spec(snaps: list[dict]) -> tuple[list[int], list[int]]:
+    """Per-position drafted and accepted counts summed over replicas (older snapshots lack them)."""
+    drafted: list[int] = []
+    accepted: list[int] = []
+    for s in snaps:
+        spec = s.get("spec_decode", {})
+        add_positions(drafted, spec.get("drafted", ()))
+        add_positions(accepted, spec.get("accepted", ()))
+    accepted += [0] * (len(drafted) - len(accepted))
+    return drafted, accepted
 
 
 def _by_model(snapshots: list[dict]) -> dict[tuple[str, ...], list[dict]]:
@@ -241,6 +287,10 @@ class _SnapshotCollector:
         structured = CounterMetricFamily(f"{PREFIX}_structured_requests",
                                          "Finished constrained requests by kind (json, json_object, regex, choice, "
                                          "grammar, tool_call)", labels=labels + ["kind"])
+        spec = {name: CounterMetricFamily(f"{PREFIX}_spec_decode_{name}", help_, labels=labels)
+                for name, help_ in SPEC_COUNTERS.items()}
+        spec_pos = {name: CounterMetricFamily(f"{PREFIX}_spec_decode_{name}", help_, labels=labels + ["position"])
+                    for name, help_ in SPEC_POS_COUNTERS.items()}
         hists = {name: HistogramMetricFamily(f"{PREFIX}_{name}", help_, labels=labels + ([label] if label else []))
                  for name, (help_, _, label) in HISTOGRAMS.items()}
         for key, snaps in groups.items():
@@ -270,6 +320,12 @@ class _SnapshotCollector:
                         merged[k] = merged.get(k, 0) + v
                 for k, v in sorted(merged.items()):
                     fam.add_metric(lv + [k], v)
+            drafted, accepted = _spec(snaps)
+            for name, v in spec_totals(drafted, accepted).items():
+                spec[name].add_metric(lv, v)
+            for i, (d, a) in enumerate(zip(drafted, accepted)):
+                spec_pos["num_draft_tokens_per_pos"].add_metric(lv + [str(i)], d)
+                spec_pos["num_accepted_tokens_per_pos"].add_metric(lv + [str(i)], a)
             for name, fam in hists.items():
                 if name not in snaps[0]["histograms"]:  # an older replica's snapshot
                     continue
@@ -291,6 +347,8 @@ class _SnapshotCollector:
         yield finished
         yield errors
         yield structured
+        yield from spec.values()
+        yield from spec_pos.values()
         yield from hists.values()
 
 
@@ -331,7 +389,8 @@ def _replicas_by_node(live: list[dict]) -> dict[str, list[str]]:
 
 
 def dashboard_data(snapshots: list[dict], now: float | None = None) -> dict[str, Any]:
-    """Per model: static KV facts, live gauges and recent (seq_len, kv_bytes, ttft, itl, e2e) points."""
+    """Per model: static KV facts, live gauges, recent (seq_len, kv_bytes, ttft, itl, e2e) points and
+    speculative decoding's counts."""
     now = time.time() if now is None else now
     models = []
     for (model, attention, kv_heads, kv_cache_dtype), snaps in sorted(_by_model(snapshots).items()):
@@ -339,6 +398,7 @@ def dashboard_data(snapshots: list[dict], now: float | None = None) -> dict[str,
         static = snaps[0]["static"]
         recent = sorted((r for s in snaps for r in s["recent"]), key=lambda r: r[0])[-2000:]
         weights = _weights(snaps) or (None, None)
+        drafted, accepted = _spec(snaps)
         models.append({
             "model": model, "attention": attention, "kv_heads": int(kv_heads), "kv_cache_dtype": kv_cache_dtype,
             "kv_bytes_per_token": static["kv_bytes_per_token"], "block_size": static["block_size"],
@@ -351,6 +411,10 @@ def dashboard_data(snapshots: list[dict], now: float | None = None) -> dict[str,
             # NOTE: replicas report a "replica" and "node" (Ray ids) next to their counts
             "replicas_by_node": _replicas_by_node(live),
             "forms": _forms(static, int(kv_heads)),
+            "speculative": static.get("speculative"),
+            # NOTE: None until a request drafted: the page shows acceptance only where there is some
+            "spec_decode": {**spec_totals(drafted, accepted), "drafted_per_pos": drafted,
+                            "accepted_per_pos": accepted} if drafted else None,
             "requests": [{"seq_len": r[0], "prompt_tokens": r[1], "output_tokens": r[2], "kv_bytes": r[3],
                           "ttft": r[4], "itl": r[5], "e2e": r[6]} for r in recent],
         })

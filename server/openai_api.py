@@ -68,6 +68,8 @@ class _Sample:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     peak_kv_bytes: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class OpenAIApi:
@@ -169,7 +171,8 @@ class OpenAIApi:
                          "max_model_len": info.max_model_len, "attention": info.attention,
                          "num_kv_heads": info.num_kv_heads, "kv_bytes_per_token": info.kv_bytes_per_token,
                          "kv_cache_dtype": info.kv_cache_dtype, "quantization": info.quantization,
-                         "weight_bytes": info.weight_bytes, "cpu_path": info.cpu_path.as_dict()})
+                         "weight_bytes": info.weight_bytes, "speculative": info.speculative,
+                         "cpu_path": info.cpu_path.as_dict()})
         return {"object": "list", "data": data}
 
     async def health(self) -> dict[str, bool]:
@@ -252,6 +255,10 @@ class OpenAIApi:
 
     async def _run(self, client, calls, body, rid: str, obj: str, chat: bool,
                    tools: ToolChoice | None = None) -> dict[str, Any] | AsyncIterator[str]:
+        try:
+            speculative = (await self._info(body.model)).speculative is not None  # usage then counts drafts
+        except BaseException as e:
+            raise _as_api_error(e) from None
         self._admit_stream()
         try:
             streams = await self._start(client, calls)
@@ -264,7 +271,7 @@ class OpenAIApi:
             usage = ("continuous" if opts and opts.continuous_usage_stats else
                      "final" if opts and opts.include_usage else None)
             return SSEStream(self._stream(streams, rid, obj + (".chunk" if chat else ""), created, body.model, n,
-                                          chat, usage, tools), streams, self._release_stream)
+                                          chat, usage, tools, speculative), streams, self._release_stream)
         try:
             samples = [[_Sample() for _ in range(n)] for _ in streams]
             async for i, chunk in self._merge(streams):
@@ -289,10 +296,10 @@ class OpenAIApi:
                     choice["logprobs"] = _completion_logprobs(s.logprobs) if s.logprobs is not None else None
                 choices.append(choice)
         return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices,
-                "usage": _usage([info for _, info in streams], samples)}
+                "usage": _usage([info for _, info in streams], samples, speculative)}
 
     async def _stream(self, streams, rid, obj, created, model, n, chat, usage: str | None,
-                      tools: ToolChoice | None = None) -> AsyncIterator[str]:
+                      tools: ToolChoice | None = None, speculative: bool = False) -> AsyncIterator[str]:
         """`usage`: None, "final" (one last usage chunk) or "continuous" (usage so far on every chunk too).
         `tools`: how the chat's text turns into tool_calls deltas (None: it stays content)."""
         samples = [[_Sample() for _ in range(n)] for _ in streams]
@@ -333,7 +340,7 @@ class OpenAIApi:
                     event["usage"] = _usage_so_far(infos, samples)
                 yield sse(event)
             if usage is not None:
-                yield sse({**head, "choices": [], "usage": _usage(infos, samples)})
+                yield sse({**head, "choices": [], "usage": _usage(infos, samples, speculative)})
         except ApiError as e:
             yield sse(e.body())
         yield sse("[DONE]")
@@ -429,15 +436,22 @@ def _accumulate(s: _Sample, chunk: Chunk) -> None:
         s.finish_reason = chunk.finish_reason
         s.num_cached_tokens, s.num_output_tokens = chunk.num_cached_tokens, chunk.num_output_tokens
         s.peak_kv_bytes = chunk.peak_kv_bytes
+        s.num_draft_tokens, s.num_accepted_tokens = chunk.num_draft_tokens, chunk.num_accepted_tokens
 
 
-def _usage(infos: list[PromptInfo], samples: list[list[_Sample]]) -> dict[str, Any]:
+def _usage(infos: list[PromptInfo], samples: list[list[_Sample]], speculative: bool = False) -> dict[str, Any]:
+    """`speculative`: the model drafts tokens; its drafted / accepted counts join the usage (only then, so
+    other models' usage keeps its shape)."""
     prompt = sum(i.num_prompt_tokens for i in infos)
     completion = sum(s.num_output_tokens for group in samples for s in group)
     cached = sum(group[0].num_cached_tokens for group in samples)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-            "kv_cache_bytes": sum(s.peak_kv_bytes for group in samples for s in group)}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": cached},
+             "kv_cache_bytes": sum(s.peak_kv_bytes for group in samples for s in group)}
+    if speculative:
+        usage["speculative"] = {"drafted": sum(s.num_draft_tokens for group in samples for s in group),
+                                "accepted": sum(s.num_accepted_tokens for group in samples for s in group)}
+    return usage
 
 
 def _usage_so_far(infos: list[PromptInfo], samples: list[list[_Sample]]) -> dict[str, int]:

@@ -266,4 +266,6 @@ class Chunk:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     peak_kv_bytes: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafts the sample's steps verified
+    num_accepted_tokens: int = 0  # ... and accepted
     error: str | None = None

@@ -177,6 +177,8 @@ class ModelWorker:
             num_cached_tokens=s.num_cached_tokens if s else 0,
             num_output_tokens=s.num_output_tokens if s else 0,
             peak_kv_bytes=s.peak_kv_bytes if s else 0,
+            num_draft_tokens=s.num_draft_tokens if s else 0,
+            num_accepted_tokens=s.num_accepted_tokens if s else 0,
             error=out.error,
         )
 

@@ -12,7 +12,7 @@ from server.engine.sampling_params import SamplingParams
 from server.http_app import create_app
 from server.local_client import LocalModelClient
 from server.openai_api import ApiLimits, OpenAIApi
-from server.wire import GenerateCall, PromptInfo
+from server.wire import Chunk, GenerateCall, ModelInfo, PromptInfo
 from server.worker import ModelWorker
 
 
@@ -242,3 +242,66 @@ def test_attention_bad_input_is_4xx(api, app):
     both = {"model": "tiny", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}
     assert_error(call(app, "POST", "/v1/attention", json=both), 400)
     assert_error(call(app, "POST", "/v1/attention", json={"model": "nope", "prompt": "x"}), 404)
+
+
+class CannedClient:
+    """A replica that answers every sample "ab" in two chunks, the final one with sample i's draft counts
+    (3 + i drafted, 1 + i accepted): the API layer's usage arithmetic, without an engine."""
+
+    def __init__(self, speculative: str | None) -> None:
+        self.speculative = speculative
+
+    async def info(self) -> ModelInfo:
+        from models.cpu_path import CpuPath
+
+        return ModelInfo(256, "gqa", 2, 128, 100, 16, 100, 4, "float32",
+                         CpuPath("cpu", "avx2", "float32", "float32", "torch", "sdpa", 1), "none", 1000, self.speculative)
+
+    async def generate(self, call: GenerateCall):
+        yield PromptInfo(3)
+        for i in range(call.params.n):
+            yield Chunk(i, "a", (1,))
+            yield Chunk(i, "b", (2,), finish_reason="length", num_output_tokens=2, num_draft_tokens=3 + i,
+                        num_accepted_tokens=1 + i)
+
+
+def test_usage_counts_drafts_only_for_speculative_models():
+    canned = create_app(OpenAIApi({"spec": CannedClient("ngram"), "plain": CannedClient(None)}))
+    models = call(canned, "GET", "/v1/models").json()["data"]
+    assert [(m["id"], m["speculative"]) for m in models] == [("spec", "ngram"), ("plain", None)]
+    for model, expected in (("spec", {"drafted": 7, "accepted": 3}), ("plain", None)):
+        chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "n": 2}
+        completion = {"model": model, "prompt": ["x", "y"], "n": 2}  # two prompts of two samples: twice the counts
+        usages = [call(canned, "POST", "/v1/chat/completions", json=chat).json()["usage"],
+                  call(canned, "POST", "/v1/completions", json=completion).json()["usage"]]
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+            resp = call(canned, "POST", path, json={**body, "stream": True, "stream_options": {"include_usage": True}})
+            *_, final = [json.loads(line[6:]) for line in resp.text.split("\n\n") if line.startswith("data: {")]
+            usages.append(final["usage"])
+        assert [u["completion_tokens"] for u in usages] == [4, 8, 4, 8]
+        if expected is None:
+            assert not [u for u in usages if "speculative" in u]
+        else:
+            doubled = {k: 2 * v for k, v in expected.items()}
+            assert [u["speculative"] for u in usages] == [expected, doubled, expected, doubled]
+
+
+def test_usage_carries_the_engines_draft_counts(tiny_checkpoints):
+    """n-gram drafts on the tiny model (greedy, a few of its tokens recur and some drafts hold): the
+    response's counts are those the replica's metrics recorded."""
+    from server.metrics import render_prometheus
+    from tests.test_metrics_unit import parse, value
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    worker = ModelWorker("tiny", EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", num_blocks=64,
+                                              enforce_eager=True, speculative_config=spec))
+    try:
+        body = {"model": "tiny", "prompt": [9] * 12, "max_tokens": 100, "temperature": 0, "ignore_eos": True}
+        usage = call(create_app(OpenAIApi({"tiny": LocalModelClient(worker)})), "POST", "/v1/completions",
+                     json=body).json()["usage"]
+        s = parse(render_prometheus([worker.snapshot()]))
+    finally:
+        worker.shutdown()
+    assert usage["completion_tokens"] == 100 and 0 < usage["speculative"]["accepted"] < usage["speculative"]["drafted"]
+    assert usage["speculative"] == {"drafted": value(s, "attnserve_spec_decode_num_draft_tokens_total"),
+                                    "accepted": value(s, "attnserve_spec_decode_num_accepted_tokens_total")}

@@ -5,7 +5,9 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.metrics import dashboard_data, one_two_five, render_prometheus, seq_len_bucket
+from models.cpu_path import CpuPath
+from server.metrics import MetricsRecorder, dashboard_data, one_two_five, render_prometheus, seq_len_bucket
+from server.wire import EngineStats, ModelInfo, RequestStats
 
 
 def snapshot(model="m", attention="gqa", kv_heads=2, used=3, age=0.0, ttft=(0.1,), finished=1, hits=5):
@@ -140,3 +142,49 @@ def test_promtool_accepts_the_exposition():
     text = render_prometheus([snapshot(), snapshot("b", "mha", 4)])
     res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def recorder_snapshot(*spec: tuple[list[int], list[int]], speculative="ngram") -> dict:
+    """A real recorder's snapshot after finished requests with these (drafted, accepted) per position."""
+    info = ModelInfo(256, "gqa", 2, 128, 100, 16, 100, 4, "bfloat16", CpuPath("cpu", "avx2", "bfloat16", "bfloat16",
+                     "torch", "sdpa", 1), "none", 1000, speculative)
+    rec = MetricsRecorder("m", info)
+    for drafted, accepted in spec:
+        rec.on_finished(RequestStats(0.0, 5, first_token_time=0.1, finished_time=0.2, num_output_tokens=8,
+                                     spec_drafted=drafted, spec_accepted=accepted), "length")
+    return rec.snapshot(EngineStats(time.time(), 0, 0, 100, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+
+
+def test_spec_decode_counters_sum_requests_and_replicas():
+    # request a: steps of 2 and 1 drafts, 1 then 0 accepted; b: 3, 3 and 2 drafts, 3, 2 and 1 accepted
+    a, b = ([2, 1], [1, 0]), ([3, 3, 2], [3, 2, 1])
+    one, two = recorder_snapshot(a, b, ([], [])), recorder_snapshot(a)
+    s = parse(render_prometheus([one]))
+    totals = {n: value(s, f"attnserve_spec_decode_{n}_total", model="m") for n in
+              ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens")}
+    assert totals == {"num_drafts": 5, "num_draft_tokens": 11, "num_accepted_tokens": 7, "num_emitted_tokens": 12}
+    s = parse(render_prometheus([one, two]))
+    totals = {n: value(s, f"attnserve_spec_decode_{n}_total", model="m") for n in totals}
+    assert totals == {"num_drafts": 7, "num_draft_tokens": 14, "num_accepted_tokens": 8, "num_emitted_tokens": 15}
+    for name, expected in (("num_draft_tokens_per_pos", [7, 5, 2]), ("num_accepted_tokens_per_pos", [5, 2, 1])):
+        assert [value(s, f"attnserve_spec_decode_{name}_total", position=str(i)) for i in range(3)] == expected
+        assert not [k for k in s if k[0] == f"attnserve_spec_decode_{name}_total" and dict(k[1])["position"] == "3"]
+    (model,) = dashboard_data([one, two])["models"]
+    assert model["speculative"] == "ngram"
+    assert model["spec_decode"] == {"num_drafts": 7, "num_draft_tokens": 14, "num_accepted_tokens": 8,
+                                    "num_emitted_tokens": 15, "drafted_per_pos": [7, 5, 2], "accepted_per_pos": [5, 2, 1]}
+    res = subprocess.run(["promtool", "check", "metrics"], input=render_prometheus([one, two]), capture_output=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_spec_decode_counters_are_zero_without_speculation():
+    plain, old = recorder_snapshot(([], []), speculative=None), snapshot("old")  # old: from before speculation
+    text = render_prometheus([plain, old])
+    assert b"# TYPE attnserve_spec_decode_num_drafts_total counter" in text
+    assert b"# HELP attnserve_spec_decode_num_accepted_tokens_per_pos_total" in text
+    s = parse(text)
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens"):
+        assert value(s, f"attnserve_spec_decode_{name}_total", model="m") == 0
+        assert value(s, f"attnserve_spec_decode_{name}_total", model="old") == 0
+    assert not [k for k in s if "_per_pos" in k[0]]
+    assert [(m["speculative"], m["spec_decode"]) for m in dashboard_data([plain, old])["models"]] == [(None, None)] * 2
