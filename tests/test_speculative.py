@@ -306,3 +306,23 @@ def test_readme_generate_command_speculates():
     result = json.loads(out.splitlines()[-1])
     assert "quick brown fox" in result["text"]
     assert 0 < result["speculative"]["accepted"] <= result["speculative"]["drafted"]
+
+
+def test_default_model_native_decoder_unchanged(default_model_dir):
+    """The shipped Q4_1 model in the native decoder, fp32: verifying 4 rows through the quantized code
+    tiles gives the tokens 1-row steps give (under `make test-isa` too: the AVX2 tiles)."""
+    from models.corpus import corpus_words
+
+    passage = " ".join(corpus_words()[900:960])
+    outs = []
+    for spec in (None, NGRAM):
+        engine = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", kv_cache_memory=None,
+                                        num_blocks=128, speculative_config=spec))
+        assert engine.runner.step == "native"
+        tok = engine.tokenizer
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Repeat this text: {passage}"}],
+                                                 add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+        outs.append(engine.generate([ids], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))[0][0])
+        assert_nothing_held(engine)
+    assert outs[0].token_ids == outs[1].token_ids
+    assert 0 < outs[1].stats.num_accepted_tokens < outs[1].stats.num_draft_tokens  # kept and rejected drafts
