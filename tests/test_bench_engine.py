@@ -45,3 +45,40 @@ def test_bench_structured_quick_run(tiny_checkpoints, tmp_path, capsys):
     assert len(ours["answers"]) == 50
     table = capsys.readouterr().out
     assert "step overhead" in table and "TTFT, new schema" in table and "parse and validate" in table
+
+
+def test_bench_speculative_quick_run(tiny_checkpoints, tmp_path, capsys):
+    """Quick mode end to end on the tiny model (its own draft), in fp32: speculation must not change a
+    greedy output; vLLM is skipped (no venv)."""
+    from loadtests.bench_speculative import main as bench_speculative
+
+    tiny, out = str(tiny_checkpoints["llama"]), tmp_path / "spec.json"
+    bench_speculative(["--quick", "--model", tiny, "--draft-model", tiny, "--dtype", "float32", "--threads", "1",
+                       "--systems", "attnserve,attnserve_ngram,attnserve_draft,vllm_ngram",
+                       "--disable-by-batch-size", "64", "--peers-venv", str(tmp_path / "no-venv"), "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["config"]["batch_sizes"] == [1, 2] and data["config"]["max_tokens"] == 16
+    workloads = {"copy", "code_edit", "extract", "chat"}
+    assert set(data["workloads"]) == workloads and all(len(w["about"]) == 2 for w in data["workloads"].values())
+    results = data["results"]
+    assert "make peers" in results["vllm_ngram"]["skipped"]
+    assert results["attnserve_ngram"]["spec_config"]["disable_by_batch_size"] == 64
+    drafted = 0
+    for system in ("attnserve", "attnserve_ngram", "attnserve_draft"):
+        assert set(results[system]["workloads"]) == workloads
+        for name, rows in results[system]["workloads"].items():
+            assert set(rows) == {"1", "2"}
+            for batch, row in rows.items():
+                assert row["tok_s"] > 0 and len(row["outputs"]) == 2 and 0 < row["num_output_tokens"] <= 2 * 16
+                if system != "attnserve":
+                    assert row["accepted"] <= row["drafted"] and row["steps"] <= row["drafted"]
+                    drafted += row["drafted"]
+                    same = data["comparisons"][system][name][batch]["identical_outputs"]
+                    assert same["same"] == same["total"] == 2, (system, name, batch, same)
+                    assert data["comparisons"][system][name][batch]["vs_attnserve"] > 0
+    assert drafted > 0
+    # the draft is the target itself: every draft it makes is accepted
+    draft = results["attnserve_draft"]["workloads"]["chat"]["1"]
+    assert draft["drafted"] > 0 and draft["accepted"] == draft["drafted"]
+    table = capsys.readouterr().out
+    assert "| workload | batch | system | tok/s" in table and "skipped:" in table and "attnserve_draft" in table
