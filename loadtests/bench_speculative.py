@@ -31,8 +31,9 @@ time) of each request, median over --num-prompts requests. Batch B: B requests a
 wall time of the whole generate (prefix cache reset first). Medians of --repeats. Acceptance: accepted /
 drafted tokens, and accepted drafts per verification step. Greedy outputs with speculation are compared
 with the same system's without (fp32 must match exactly; in bf16 a near-tie may flip): the count of
-identical outputs is reported. `--disable-by-batch-size` overrides attnserve's switch-off (default 8), so
-`--batch-sizes 1,2,4,8,16 --disable-by-batch-size 64` measures the crossover.
+identical outputs is reported. attnserve switches drafts off by itself at a batch size where they do not
+pay (speculative_config auto_disable, measured as it serves); `--batch-sizes 1,2,4,8,16 --no-auto-disable`
+measures the crossover with drafts in every step; `--disable-by-batch-size N` sets the fixed limit.
 This is a benchmark, not a test: it prints a table.
 """
 from __future__ import annotations
@@ -248,6 +249,8 @@ def spec_config(args, system: str) -> dict | None:
         return None
     if system.startswith("attnserve") and args.disable_by_batch_size is not None:
         cfg["disable_by_batch_size"] = None if args.disable_by_batch_size == "none" else int(args.disable_by_batch_size)
+    if system.startswith("attnserve") and not args.auto_disable:
+        cfg["auto_disable"] = False
     return cfg
 
 
@@ -315,6 +318,8 @@ def bench_attnserve(args, system: str, workloads: dict) -> dict:
                     outputs = outputs or [list(r.token_ids) for r in results]
                 rows[str(batch)] = {"tok_s": statistics.median(runs), "runs": runs, "outputs": outputs,
                                     "num_output_tokens": tokens, **(tally.as_dict() if spec else {})}
+        if engine.gate is not None:  # the measured switch-off: tokens/s with drafts over without, per batch bucket
+            out["gate"] = {str(k): v for k, v in engine.gate.summary().items()}
     finally:
         del engine
         gc.collect()
@@ -398,9 +403,9 @@ def _fmt(c: dict, key: str, spec: str) -> str:
 
 
 def print_table(args, results: dict, comparisons: dict) -> None:
-    dbbs = args.disable_by_batch_size if args.disable_by_batch_size is not None else "engine default (8)"
+    dbbs = args.disable_by_batch_size if args.disable_by_batch_size is not None else "engine default (none)"
     print(f"\nmodel={args.model} dtype={args.dtype} attnserve quantization={args.quantization} K={args.num_speculative_tokens} "
-          f"attnserve disable_by_batch_size={dbbs} threads={args.threads} max_tokens={args.max_tokens} "
+          f"attnserve disable_by_batch_size={dbbs} auto_disable={args.auto_disable} threads={args.threads} max_tokens={args.max_tokens} "
           f"prompts={args.num_prompts} repeats={args.repeats}")
     print("batch 1: median per-request decode tok/s; batch B: output tok/s of B requests at once (wall)\n")
     print("| workload | batch | system | tok/s | tok/req | x attnserve | x vllm | x vllm_ngram | accepted/drafted "
@@ -427,7 +432,8 @@ def print_table(args, results: dict, comparisons: dict) -> None:
     for system, r in results.items():
         if "startup_s" in r:
             print(f"{system}: engine start {r['startup_s']:.1f} s, weights {r['quantization']}, "
-                  f"speculative_config={json.dumps(r['spec_config'])}")
+                  f"speculative_config={json.dumps(r['spec_config'])}"
+                  + (f", measured gain by batch bucket {json.dumps(r['gate'])}" if r.get("gate") else ""))
         elif "process_s" in r:
             print(f"{system}: vLLM process {r['process_s']:.0f} s in all, timing from "
                   f"{r.get('timing') or '-'}, LD_PRELOAD={r['ld_preload'] or '-'}, "
@@ -469,6 +475,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--disable-by-batch-size", default=None,
                     help="attnserve's speculative_config disable_by_batch_size (an integer, or none: never)")
+    ap.add_argument("--auto-disable", action=argparse.BooleanOptionalAction, default=True,
+                    help="attnserve's measured switch-off (speculative_config auto_disable); --no-auto-disable drafts "
+                         "at every batch size, to measure the crossover")
     ap.add_argument("--passage-words", type=int, default=None, help="Shakespeare passages' length (default 120)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peers-venv", default=str(ROOT / ".venv-peers"), help="where `make peers` put vLLM")

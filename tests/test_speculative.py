@@ -22,8 +22,9 @@ from tests.tiny import hf_config, make_checkpoint, mixed_prompts, train_tokenize
 ARCHS = ["llama", "mistral", "gpt2"]  # GQA, MQA, MHA
 NUM_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+# NOTE: auto_disable off: these tests need drafts in every step that can have them, fast or not
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-         "disable_by_batch_size": None}
+         "auto_disable": False}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def oracle(tiny_checkpoints):
 
 
 def proposers(arch, tiny_checkpoints, other_seed):
-    draft = {"method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    draft = {"method": "draft_model", "num_speculative_tokens": 3, "auto_disable": False}
     return {"ngram": NGRAM, "draft_same": {**draft, "model": str(tiny_checkpoints[arch])},
             "draft_other": {**draft, "model": str(other_seed[arch])}}
 
@@ -126,7 +127,7 @@ def test_rejected_drafts_leave_no_block_and_no_hash(oracle, other_seed):
     in either pool, and every cached block hashes a run of tokens some sequence really had."""
     model, tok, _ = oracle("llama")
     spec = {"method": "draft_model", "model": str(other_seed["llama"]), "num_speculative_tokens": 4,
-            "disable_by_batch_size": None}
+            "auto_disable": False}
     engine = engine_for(model, tok, spec, num_blocks=80)
     prompts = mixed_prompts(tok, 10, seed=6)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -259,7 +260,7 @@ def test_engine_samples_as_the_target(tmp_path):
     prompt = [0, 1, 2, 3, 4, 5, 6, 7, 3, 1]  # every token occurs: every first token finds a 1-gram draft
     params = dict(temperature=0.9, top_p=0.95, max_tokens=3, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "prompt_lookup_max": 1,
-            "disable_by_batch_size": None, "min_draft_acceptance": 0}
+            "auto_disable": False, "min_draft_acceptance": 0}
     engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", num_blocks=2048, block_size=4, enforce_eager=True,
                                     max_num_seqs=256, max_num_batched_tokens=4096, speculative_config=spec),
                        model=load_model(tmp_path), tokenizer=None)
@@ -326,3 +327,25 @@ def test_default_model_native_decoder_unchanged(default_model_dir):
         assert_nothing_held(engine)
     assert outs[0].token_ids == outs[1].token_ids
     assert 0 < outs[1].stats.num_accepted_tokens < outs[1].stats.num_draft_tokens  # kept and rejected drafts
+
+
+def test_gate_runs_the_faster_mode_and_notices_a_change():
+    from server.engine.spec_gate import EXPLORE_EVERY, SpeculationGate
+
+    def run(gate, steps, on_rate, off_rate, batch=4):
+        modes = []
+        for _ in range(steps):
+            on = gate.use(batch)
+            modes.append(on)
+            gate.record(batch, on, on_rate if on else off_rate, 1.0)
+        return modes
+
+    gate = SpeculationGate()
+    modes = run(gate, 3 * EXPLORE_EVERY, on_rate=20, off_rate=10)
+    assert modes[:3] == [True] * 3 and modes[3] is False  # an early look at the other mode
+    assert modes.count(False) == 3 and gate.summary() == {4: pytest.approx(2.0)}
+    modes = run(gate, 4 * EXPLORE_EVERY, on_rate=6, off_rate=10)  # drafts stop paying
+    assert sum(modes[-EXPLORE_EVERY:]) <= 1 and gate.summary()[4] < 1
+    modes = run(gate, 4 * EXPLORE_EVERY, on_rate=30, off_rate=10)  # and pay again
+    assert sum(modes[-EXPLORE_EVERY:]) >= EXPLORE_EVERY - 1
+    assert run(gate, 1, 1, 1, batch=16) == [True] and set(gate.summary()) == {4, 16}  # buckets are separate

@@ -27,6 +27,7 @@ from server.engine.proposers import DraftModelProposer, NgramProposer, Proposer,
 from server.engine.request import Request, RequestStatus
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler
+from server.engine.spec_gate import SpeculationGate
 from server.metrics import resident_memory_bytes
 from server.wire import EngineStats, ModelInfo, RequestOutput, TokenLogprob
 
@@ -102,6 +103,9 @@ class LLMEngine:
                                                     compile=not config.enforce_eager, native=config.native_decoder),
                                         num_blocks, config.block_size)
             logger.info("attnserve speculative decoding: %s", self.spec)
+        self.gate = SpeculationGate() if self.spec is not None and self.spec.auto_disable else None
+        self._drafting = False  # this step verifies drafts the last one proposed
+        self._propose_s = 0.0  # what proposing them took
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.kv_spec.bytes_per_block,
                                    on_free=(lambda r: self.proposer.release(r.request_id)) if self.proposer else None)
@@ -196,6 +200,7 @@ class LLMEngine:
 
     # ---- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         failed = self._start_grammars() if self.compiling else []
         out = self.scheduler.schedule()
         self.last_step_empty = out.is_empty
@@ -215,11 +220,14 @@ class LLMEngine:
         accepted = {s.request.request_id: len(t) - 1 for s, t in zip(samplers, result.token_ids) if s.draft_token_ids}
         self.scheduler.advance(out, accepted)
         if self.proposer is not None:
+            if self.gate is not None and all(s.num_new_tokens == 1 for s in out.seqs):
+                self.gate.record(len(out.seqs), self._drafting, sum(map(len, result.token_ids)),
+                                 time.perf_counter() - start + self._propose_s)
             self._speculate(samplers, accepted)
         return failed + [o for o in outputs if o is not None]
 
     def _speculate(self, samplers, accepted: dict[str, int]) -> None:
-        """Account for this step's drafts, then propose the next step's."""
+        """Account for this step's drafts, then propose the next step's (if they pay at this batch size)."""
         for s in samplers:
             req, k = s.request, len(s.draft_token_ids)
             if not k:
@@ -235,9 +243,11 @@ class LLMEngine:
             if not req.is_finished:
                 self.proposer.rollback(req, req.num_computed_tokens)
         running = [r for r in self.scheduler.running if r.num_new_tokens == 1 and r.grammar is None]
-        limit = self.spec.disable_by_batch_size
-        if not running or (limit is not None and len(self.scheduler.running) > limit):
+        limit, batch = self.spec.disable_by_batch_size, len(self.scheduler.running)
+        self._drafting, self._propose_s = False, 0.0
+        if not running or (limit is not None and batch > limit) or (self.gate is not None and not self.gate.use(batch)):
             return
+        self._drafting, start = True, time.perf_counter()
         caps = [min(self.spec.num_drafts(r.draft_acceptance), r.params.max_tokens - len(r.output_token_ids) - 1,
                     self.max_model_len - r.num_tokens - 1) for r in running]
         # NOTE: k drafts may emit k + 1 tokens: never more than max_tokens or the context allows
@@ -246,6 +256,7 @@ class LLMEngine:
             drafts = self.proposer.propose([r for r, _ in chosen], [c for _, c in chosen])
             for (r, _), d in zip(chosen, drafts):
                 r.draft_token_ids = d
+        self._propose_s = time.perf_counter() - start
 
     def _start_grammars(self) -> list[RequestOutput]:
         """Give each request whose grammar finished compiling its matcher; fail those that did not compile."""

@@ -25,9 +25,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # ngram: the shortest
     model: str | None = None  # draft_model: a directory, .gguf file or name sharing the target's tokenizer
     quantization: str = "auto"  # draft_model: its weights (e.g. the target itself as int4 / its GGUF)
-    # no drafts in a step where more requests than this run: verifying k more tokens per sequence costs
-    # more than it saves once a step is compute-bound (docs/speculative.md measures the crossover)
-    disable_by_batch_size: int | None = 8
+    # no drafts in a step where more requests than this run (None: no such limit)
+    disable_by_batch_size: int | None = None
+    # the engine switches drafts off at a batch size where its steps with drafts have made fewer tokens
+    # per second than its steps without (measured: SpeculationGate); False drafts whenever it can
+    auto_disable: bool = True
     # adaptive k: a request drafts the longest i <= k whose chance of acceptance (its moving-average
     # acceptance rate to the power i) is at least this; 0 keeps k fixed
     min_draft_acceptance: float = 0.15
@@ -50,6 +52,7 @@ class SpeculativeConfig:
                                                     and self.disable_by_batch_size >= 1),
              "disable_by_batch_size must be a positive integer or null")
         need(0 <= self.min_draft_acceptance < 1, "min_draft_acceptance must be in [0, 1)")
+        need(isinstance(self.auto_disable, bool), "auto_disable must be true or false")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
