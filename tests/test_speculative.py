@@ -330,9 +330,9 @@ def test_default_model_native_decoder_unchanged(default_model_dir):
 
 
 def test_gate_runs_the_faster_mode_and_notices_a_change():
-    from server.engine.spec_gate import EXPLORE_EVERY, SpeculationGate
+    from server.engine.spec_gate import EXPLORE_EVERY, MAX_EXPLORE_EVERY, SpeculationGate
 
-    def run(gate, steps, on_rate, off_rate, batch=4):
+    def run(gate, steps, on_rate, off_rate, batch=1):
         modes = []
         for _ in range(steps):
             on = gate.use(batch)
@@ -341,11 +341,14 @@ def test_gate_runs_the_faster_mode_and_notices_a_change():
         return modes
 
     gate = SpeculationGate()
-    modes = run(gate, 3 * EXPLORE_EVERY, on_rate=20, off_rate=10)
+    modes = run(gate, 200, on_rate=20, off_rate=10)
     assert modes[:3] == [True] * 3 and modes[3] is False  # an early look at the other mode
-    assert modes.count(False) == 3 and gate.summary() == {4: pytest.approx(2.0)}
-    modes = run(gate, 4 * EXPLORE_EVERY, on_rate=6, off_rate=10)  # drafts stop paying
-    assert sum(modes[-EXPLORE_EVERY:]) <= 1 and gate.summary()[4] < 1
-    modes = run(gate, 4 * EXPLORE_EVERY, on_rate=30, off_rate=10)  # and pay again
+    explored = [i for i, m in enumerate(modes) if not m]
+    assert explored == [3, 3 + 2 * EXPLORE_EVERY, 3 + 6 * EXPLORE_EVERY]  # backing off while drafts keep winning
+    assert gate.summary() == {1: pytest.approx(2.0)}
+    modes = run(gate, MAX_EXPLORE_EVERY + 2 * EXPLORE_EVERY, on_rate=6, off_rate=10)  # drafts stop paying
+    assert sum(modes[-EXPLORE_EVERY:]) <= 1 and gate.summary()[1] < 1  # off, but for a look now and then
+    modes = run(gate, 2 * MAX_EXPLORE_EVERY, on_rate=30, off_rate=10)  # and pay again
     assert sum(modes[-EXPLORE_EVERY:]) >= EXPLORE_EVERY - 1
-    assert run(gate, 1, 1, 1, batch=16) == [True] and set(gate.summary()) == {4, 16}  # buckets are separate
+    assert run(gate, 4, 30, 10, batch=16) == [False, False, False, True]  # big batches start off, then look
+    assert set(gate.summary()) == {1, 16}

@@ -133,7 +133,7 @@ class ModelRunner:
         hidden = self.forward(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.attn))  # (T, C)
         if not len(batch.logits_indices):
             return StepResult((), ())
-        logits = self.model.lm_head(hidden[batch.logits_indices])  # (S, V) in the model's dtype
+        logits = self.model.lm_head(hidden[batch.logits_indices])  # (R, V) in the model's dtype
         if batch.grammar_masks is not None:
             apply_bitmask(logits, batch.grammar_masks)  # every sampling field then applies inside the mask
         if batch.draft_token_ids is not None:

@@ -3,17 +3,20 @@
 Whether verifying k more rows per sequence costs more than the accepted drafts save depends on the
 kernels (on the quantized CPU path up to 8 rows share one read of the codes, more take the prefill
 path), the machine, the batch size and how often drafts are right for today's requests. So the
-engine measures it. Per batch-size bucket it runs one mode (drafts on or off) and, every
-`EXPLORE_EVERY` steps, one step of the other; the ratio of that step's tokens per second to the
-running mode's recent average is the evidence. Both figures are recent, so a change of workload
-(longer contexts, drafts that stop matching) cannot be mistaken for a gain or a loss. No clock is
-read here: the engine reports each step's duration.
+engine measures it. Per batch-size bucket it runs one mode (drafts on or off) and, now and then,
+one step of the other (after 16 steps, then 32, 64, ... while the mode keeps winning); the ratio
+of that step's tokens per second to the running mode's recent average is the evidence. Both
+figures are recent, so a change of workload (longer contexts, drafts that stop matching) cannot be
+mistaken for a gain or a loss. No clock is read here: the engine reports each step's duration.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-EXPLORE_EVERY = 16  # steps of a bucket's mode between two steps of the other
+EXPLORE_EVERY = 16  # steps of a bucket's mode before a step of the other; doubled each time it is confirmed
+MAX_EXPLORE_EVERY = 256  # (a draft model's exploring step first catches up on every token since the last)
+START_ON_UP_TO = 2  # buckets that start with drafts on (chat loses from batch 4 on the default model); the rest
+# start off and explore at their fourth step
 SMOOTHING = 0.3  # of a mode's recent tokens/s
 GAIN_SMOOTHING = 0.5  # of the gain over explorations: one noisy step does not flip the mode, two agreeing do
 
@@ -29,11 +32,11 @@ def _ema(old: float | None, value: float, smoothing: float = SMOOTHING) -> float
 
 @dataclass
 class _Bucket:
-    speculate: bool = True  # the mode it runs
+    speculate: bool  # the mode it runs
     rate: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})  # tokens/s, recent
     gain: float | None = None  # tokens/s with drafts over without, from exploring steps
-    num_steps: int = 0
-    exploring: bool = False
+    interval: int = EXPLORE_EVERY
+    steps_left: int = 4  # to the next exploring step
 
 
 class SpeculationGate:
@@ -42,11 +45,11 @@ class SpeculationGate:
 
     def use(self, batch_size: int) -> bool:
         """Draft for the next step of `batch_size` decodes?"""
-        b = self.buckets.setdefault(bucket(batch_size), _Bucket())
-        b.num_steps += 1
-        # NOTE: the first exploration comes early (step 4), so a bucket where drafts lose stops soon
-        b.exploring = b.num_steps % EXPLORE_EVERY == 4 and b.rate[b.speculate] is not None
-        return b.speculate != b.exploring
+        key = bucket(batch_size)
+        b = self.buckets.setdefault(key, _Bucket(speculate=key <= START_ON_UP_TO))
+        b.steps_left -= 1
+        exploring = b.steps_left <= 0 and b.rate[b.speculate] is not None
+        return b.speculate != exploring
 
     def record(self, batch_size: int, speculated: bool, num_tokens: int, seconds: float) -> None:
         """A decode-only step: its batch, whether it verified drafts, tokens emitted, duration."""
@@ -56,8 +59,12 @@ class SpeculationGate:
         rate = num_tokens / seconds
         if speculated != b.speculate and b.rate[b.speculate] is not None:  # an exploring step
             on, off = (rate, b.rate[False]) if speculated else (b.rate[True], rate)
+            agrees = (on >= off) == b.speculate
             b.gain = _ema(b.gain, on / off, GAIN_SMOOTHING)
-            b.speculate = b.gain >= 1.0
+            # NOTE: backing off: each exploration that confirms the mode doubles the wait for the next;
+            # one that does not brings the next one close
+            b.interval = min(2 * b.interval, MAX_EXPLORE_EVERY) if agrees else EXPLORE_EVERY
+            b.speculate, b.steps_left = b.gain >= 1.0, b.interval
         b.rate[speculated] = _ema(b.rate[speculated], rate)
 
     def summary(self) -> dict[int, float | None]:
