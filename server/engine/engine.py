@@ -106,6 +106,7 @@ class LLMEngine:
         self.gate = SpeculationGate() if self.spec is not None and self.spec.auto_disable else None
         self._drafting = False  # this step verifies drafts the last one proposed
         self._propose_s = 0.0  # what proposing them took
+        self._catch_up = 0  # and the longest run of tokens the proposer first had to feed a request
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.kv_spec.bytes_per_block,
                                    on_free=(lambda r: self.proposer.release(r.request_id)) if self.proposer else None)
@@ -220,7 +221,10 @@ class LLMEngine:
         accepted = {s.request.request_id: len(t) - 1 for s, t in zip(samplers, result.token_ids) if s.draft_token_ids}
         self.scheduler.advance(out, accepted)
         if self.proposer is not None:
-            if self.gate is not None and all(s.num_new_tokens == 1 for s in out.seqs):
+            # NOTE: the gate compares steady steps: no prefill chunk, and no draft model catching up on a
+            # prompt (or on the tokens made while drafts were off), a cost paid once, not per step
+            if self.gate is not None and all(s.num_new_tokens == 1 for s in out.seqs) and \
+                    self._catch_up <= self.spec.num_speculative_tokens + 1:
                 self.gate.record(len(out.seqs), self._drafting, sum(map(len, result.token_ids)),
                                  time.perf_counter() - start + self._propose_s)
             self._speculate(samplers, accepted)
@@ -244,7 +248,7 @@ class LLMEngine:
                 self.proposer.rollback(req, req.num_computed_tokens)
         running = [r for r in self.scheduler.running if r.num_new_tokens == 1 and r.grammar is None]
         limit, batch = self.spec.disable_by_batch_size, len(self.scheduler.running)
-        self._drafting, self._propose_s = False, 0.0
+        self._drafting, self._propose_s, self._catch_up = False, 0.0, 0
         if not running or (limit is not None and batch > limit) or (self.gate is not None and not self.gate.use(batch)):
             return
         self._drafting, start = True, time.perf_counter()
@@ -256,6 +260,7 @@ class LLMEngine:
             drafts = self.proposer.propose([r for r, _ in chosen], [c for _, c in chosen])
             for (r, _), d in zip(chosen, drafts):
                 r.draft_token_ids = d
+            self._catch_up = self.proposer.max_catch_up
         self._propose_s = time.perf_counter() - start
 
     def _start_grammars(self) -> list[RequestOutput]:

@@ -19,6 +19,8 @@ from server.engine.request import Request
 
 
 class Proposer(Protocol):
+    max_catch_up: int  # tokens the last proposal fed one request before its first draft (1-2 in steady state)
+
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:
         """Up to num_drafts[i] tokens to follow requests[i]'s tokens so far."""
 
@@ -43,6 +45,8 @@ def ngram_lookup(token_ids: Sequence[int], num_drafts: int, min_n: int, max_n: i
 
 
 class NgramProposer:
+    max_catch_up = 0  # no state to bring up to date: every proposal costs the same
+
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 
@@ -83,6 +87,7 @@ class DraftModelProposer:
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
         self.block_size = block_size
         self.num_computed: dict[str, int] = {}
+        self.max_catch_up = 0  # the last proposal's longest first feed: a prompt, or tokens since drafts were off
 
     @staticmethod
     def cache_for(model: DecoderLM, num_blocks: int, block_size: int) -> PagedKVCache:
@@ -99,6 +104,7 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in requests]
         # first pass: each request's missing tokens; later passes: its previous draft
         feeds = [r.all_token_ids[self.num_computed.get(r.request_id, 0):] for r in requests]
+        self.max_catch_up = max(map(len, feeds), default=0)
         active = list(range(len(requests)))
         for step in range(max(num_drafts, default=0)):
             active = [i for i in active if num_drafts[i] > step]
