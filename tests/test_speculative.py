@@ -352,3 +352,19 @@ def test_gate_runs_the_faster_mode_and_notices_a_change():
     assert sum(modes[-EXPLORE_EVERY:]) >= EXPLORE_EVERY - 1
     assert run(gate, 4, 30, 10, batch=16) == [False, False, False, True]  # big batches start off, then look
     assert set(gate.summary()) == {1, 16}
+
+
+def test_draft_weights_and_blocks_come_out_of_the_memory_budget(oracle, tiny_checkpoints):
+    model, tok, _ = oracle("llama")
+    budget = 8 * 2**20
+
+    def engine(spec):
+        return engine_for(model, tok, spec, num_blocks=None, kv_cache_memory="auto", memory_budget=budget)
+
+    alone = engine(None)
+    drafted = engine({"method": "draft_model", "model": str(tiny_checkpoints["llama"])})
+    draft_model = drafted.proposer.runner.model
+    per_block = alone.kv_spec.bytes_per_block + drafted.proposer.runner.cache.spec.bytes_per_block
+    assert alone.kv.num_blocks == (budget - model.weight_bytes()) // alone.kv_spec.bytes_per_block
+    assert drafted.kv.num_blocks == (budget - model.weight_bytes() - draft_model.weight_bytes()) // per_block
+    assert drafted.proposer.kv.num_blocks == drafted.kv.num_blocks  # the draft never runs out first

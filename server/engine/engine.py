@@ -77,7 +77,8 @@ class LLMEngine:
         # NOTE: a draft model's weights and its KV (as many blocks as the target's, fewer bytes each) come
         # out of the same budget
         draft_bytes = draft.weight_bytes() if draft is not None else 0
-        draft_block = DraftModelProposer.bytes_per_block(draft, config.block_size) if draft is not None else 0
+        draft_spec = DraftModelProposer.kv_spec(draft, config.block_size) if draft is not None else None
+        draft_block = draft_spec.bytes_per_block if draft_spec is not None else 0
         if config.num_blocks:
             num_blocks = config.num_blocks
         else:
@@ -99,7 +100,7 @@ class LLMEngine:
         self.proposer: Proposer | None = None
         if self.spec is not None:
             self.proposer = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max) if draft is None \
-                else DraftModelProposer(ModelRunner(draft, DraftModelProposer.cache_for(draft, num_blocks, config.block_size),
+                else DraftModelProposer(ModelRunner(draft, PagedKVCache(draft_spec, num_blocks, draft.device),
                                                     compile=not config.enforce_eager, native=config.native_decoder),
                                         num_blocks, config.block_size)
             logger.info("attnserve speculative decoding: %s", self.spec)

@@ -13,7 +13,7 @@ import torch
 
 from kvcache.manager import KVCacheManager
 from kvcache.paged_attention import AttentionMetadata, PagedAttention
-from kvcache.storage import KVCacheSpec, PagedKVCache
+from kvcache.storage import KVCacheSpec
 from models.transformer import DecoderLM
 from server.engine.request import Request
 
@@ -74,8 +74,8 @@ def check_vocabulary(target: DecoderLM, target_tokenizer: Any, draft: DecoderLM,
 
 class DraftModelProposer:
     """A small model run greedily over its own paged KV cache, as many blocks as the target's pool
-    (fewer bytes each), so it never runs out where the target did not. No prefix caching: a draft's
-    KV is cheap to recompute and freed with its request.
+    (fewer bytes each), so it never runs out where the target did not. No prefix caching: its blocks
+    go with their request (finish, abort, preemption).
 
     NOTE: a request's draft KV holds `num_computed[id]` tokens that equal the request's; each
     `propose` first feeds the tokens it lacks (the prompt, then what verification accepted), then
@@ -90,15 +90,10 @@ class DraftModelProposer:
         self.max_catch_up = 0  # the last proposal's longest first feed: a prompt, or tokens since drafts were off
 
     @staticmethod
-    def cache_for(model: DecoderLM, num_blocks: int, block_size: int) -> PagedKVCache:
+    def kv_spec(model: DecoderLM, block_size: int) -> KVCacheSpec:
+        """The draft's KV: in its own dtype (its bytes count in the engine's memory budget)."""
         cfg = model.config
-        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, block_size)
-        return PagedKVCache(spec, num_blocks, model.device)
-
-    @staticmethod
-    def bytes_per_block(model: DecoderLM, block_size: int) -> int:
-        cfg = model.config
-        return KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, block_size).bytes_per_block
+        return KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, block_size)
 
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
