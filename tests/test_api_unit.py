@@ -292,7 +292,8 @@ def test_usage_carries_the_engines_draft_counts(tiny_checkpoints):
     from server.metrics import render_prometheus
     from tests.test_metrics_unit import parse, value
 
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "auto_disable": False}  # drafts in every step: the test needs some accepted and some rejected
     worker = ModelWorker("tiny", EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", num_blocks=64,
                                               enforce_eager=True, speculative_config=spec))
     try:

@@ -55,7 +55,8 @@ def test_bench_speculative_quick_run(tiny_checkpoints, tmp_path, capsys):
     tiny, out = str(tiny_checkpoints["llama"]), tmp_path / "spec.json"
     bench_speculative(["--quick", "--model", tiny, "--draft-model", tiny, "--dtype", "float32", "--threads", "1",
                        "--systems", "attnserve,attnserve_ngram,attnserve_draft,vllm_ngram",
-                       "--disable-by-batch-size", "64", "--peers-venv", str(tmp_path / "no-venv"), "--json", str(out)])
+                       "--disable-by-batch-size", "64", "--no-auto-disable", "--peers-venv", str(tmp_path / "no-venv"),
+                       "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["config"]["batch_sizes"] == [1, 2] and data["config"]["max_tokens"] == 16
     workloads = {"copy", "code_edit", "extract", "chat"}

@@ -24,7 +24,8 @@ def url(ray_session, default_model_dir):
 
     cfg = ServeConfig.from_args({"models": {MODEL: str(default_model_dir)}, "num_cpus": 0.25, "engine": {
         "dtype": "float32", "kv_cache_memory": None, "num_blocks": 512, "max_model_len": 2048, "num_threads": 1,
-        "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}})
+        # NOTE: auto_disable off: the test needs drafts, whatever this machine measures them to be worth
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "auto_disable": False}}})
     serve.run(build_app(cfg), name=APP, route_prefix=ROUTE)
     yield f"{ray_session}{ROUTE}"
     serve.delete(APP)
