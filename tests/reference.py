@@ -70,3 +70,19 @@ def memoised_greedy(hf, num_tokens: int):
             memo[key] = hf_greedy_logprobs(hf, list(prompt), num_tokens)
         return memo[key]
     return expected
+
+
+def tiny_oracle(checkpoints, num_tokens: int):
+    """(arch, dtype) -> (our model, tokenizer, memoised HF greedy continuation and top logprobs in that
+    dtype), each loaded once: the oracle engine parity tests share."""
+    from models import load_model, load_tokenizer
+
+    cache = {}
+
+    def get(arch, dtype="float32"):
+        if (arch, dtype) not in cache:
+            path = checkpoints[arch]
+            expected = memoised_greedy(load_hf(path, dtype=getattr(torch, dtype)), num_tokens)
+            cache[(arch, dtype)] = (load_model(path, dtype), load_tokenizer(path), expected)
+        return cache[(arch, dtype)]
+    return get

@@ -3,11 +3,9 @@ preemption, chunking or prefix caching does: on the compiled step and the eager 
 and bf16 (HF in the same dtype)."""
 
 import pytest
-import torch
 
-from models import load_model, load_tokenizer
 from server.engine import EngineConfig, LLMEngine, SamplingParams
-from tests.reference import assert_greedy_close, load_hf, memoised_greedy
+from tests.reference import assert_greedy_close, tiny_oracle
 from tests.tiny import CORPUS, mixed_prompts
 
 ARCHS = ["llama", "mistral", "gpt2"]  # GQA, MQA, MHA
@@ -20,16 +18,7 @@ MODES = [("compiled", "float32"), ("eager", "float32"), ("compiled", "bfloat16")
 
 @pytest.fixture(scope="module")
 def oracle(tiny_checkpoints):
-    """Per (arch, dtype): (model, tokenizer, memoised HF greedy continuation and top logprobs in that dtype)."""
-    cache = {}
-
-    def get(arch, dtype="float32"):
-        if (arch, dtype) not in cache:
-            path = tiny_checkpoints[arch]
-            expected = memoised_greedy(load_hf(path, dtype=getattr(torch, dtype)), NUM_TOKENS)
-            cache[(arch, dtype)] = (load_model(path, dtype), load_tokenizer(path), expected)
-        return cache[(arch, dtype)]
-    return get
+    return tiny_oracle(tiny_checkpoints, NUM_TOKENS)
 
 
 @pytest.fixture(params=MODES, ids=["-".join(m) for m in MODES])

@@ -10,13 +10,13 @@ import torch
 
 from kvcache.block_pool import hash_block_tokens
 from kvcache.manager import KVCacheManager
-from models import load_model, load_tokenizer
+from models import load_model
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.proposers import ngram_lookup
 from server.engine.rejection_sampler import verify
 from server.engine.sampler import SamplingBatch, apply_filters
 from server.engine.spec_config import SpeculativeConfig
-from tests.reference import assert_greedy_close, load_hf, memoised_greedy
+from tests.reference import assert_greedy_close, tiny_oracle
 from tests.tiny import hf_config, make_checkpoint, mixed_prompts, train_tokenizer
 
 ARCHS = ["llama", "mistral", "gpt2"]  # GQA, MQA, MHA
@@ -36,15 +36,7 @@ def other_seed(tiny_checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oracle(tiny_checkpoints):
-    cache = {}
-
-    def get(arch, dtype="float32"):
-        if (arch, dtype) not in cache:
-            path = tiny_checkpoints[arch]
-            expected = memoised_greedy(load_hf(path, dtype=getattr(torch, dtype)), NUM_TOKENS)
-            cache[(arch, dtype)] = (load_model(path, dtype), load_tokenizer(path), expected)
-        return cache[(arch, dtype)]
-    return get
+    return tiny_oracle(tiny_checkpoints, NUM_TOKENS)
 
 
 def proposers(arch, tiny_checkpoints, other_seed):
