@@ -82,9 +82,10 @@ class _AbsMax:
         self.inner = DenseAttention((num_tokens,))
         self.amax: dict[int, tuple[float, float]] = {}
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 variant=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.amax[layer_idx] = (k.abs().max().item(), v.abs().max().item())
-        return self.inner(layer_idx, q, k, v)
+        return self.inner(layer_idx, q, k, v, variant, sinks)
 
 
 def calibration_ids(tokenizer, vocab_size: int) -> list[int]:

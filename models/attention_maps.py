@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from models.attention import reference_attention
+from models.attention import AttentionVariant, reference_attention
 from models.transformer import DecoderLM
 
 MAX_WEIGHTS = 2**24  # layers x heads x T^2 per call (64 MiB of fp32): all 30 layers of a 9-head model to ~250 tokens
@@ -20,10 +20,12 @@ class CaptureWeights:
     layers: frozenset[int]
     weights: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 variant: AttentionVariant | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         qh = q.transpose(0, 1).float()  # (H, T, D)
         kh, vh = k.transpose(0, 1).float(), v.transpose(0, 1).float()  # (Hkv, T, D)
-        out, w = reference_attention(qh, kh, vh)  # (H, T, D), (H, T, T): query head j reads K/V head j // group
+        # (H, T, D), (H, T, T): query head j reads K/V head j // group; windows and sinks applied
+        out, w = reference_attention(qh, kh, vh, variant=variant, sinks=sinks)
         if layer_idx in self.layers:
             self.weights[layer_idx] = w
         return out.transpose(0, 1).to(q.dtype)  # (T, H, D)

@@ -151,9 +151,9 @@ def test_calibration_gives_power_of_two_scales_with_headroom(tiny_checkpoints):
     seen: dict[int, tuple[float, float]] = {}
     dense = DenseAttention((len(ids),))
 
-    def record(layer, q, k, v):
+    def record(layer, q, k, v, variant=None, sinks=None):
         seen[layer] = (k.abs().max().item(), v.abs().max().item())
-        return dense(layer, q, k, v)
+        return dense(layer, q, k, v, variant, sinks)
     with torch.inference_mode():
         model(torch.tensor(ids), torch.arange(len(ids)), record)
     assert len(seen) == model.config.num_layers

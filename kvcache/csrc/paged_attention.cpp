@@ -8,6 +8,12 @@
 // The cache may hold 8-bit floats (e4m3 or e5m2) with one power-of-two scale per layer for K and
 // one for V: K's scale folds into the query scale, V's into the output, so the loops only widen.
 //
+// Per-layer variants (models/attention.py AttentionVariant): a sliding window starts each key loop
+// at the window's first key, so a windowed layer reads (and pays for) `window` keys, never the
+// stale blocks before them; a logit soft-cap squashes each score before the mask; learned sinks
+// start each row's online softmax at the sink's logit with no value (its mass is dropped). The
+// plain case pays for none of them: each is a branch hoisted out of the per-key math.
+//
 // Vectors are GCC vector extensions of W floats, one register of the ISA the library is built
 // for: 16 with AVX-512, 8 with AVX2, 4 for the portable build (SSE2 or NEON). Each ISA gets its
 // own library (models/native.py), chosen from the CPU's features at run time.
@@ -24,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -135,6 +142,26 @@ inline float hmax(vf v) {
   } else {
     return hmax<S / 2>(vmax(v, swapped<S>(v)));
   }
+}
+
+// tanh to ~3 ulp: a rational approximation (Eigen's), clamped where tanh rounds to +-1 in fp32.
+inline vf tanh_v(vf x) {
+  constexpr float clamp = 7.90531110763549805f;
+  x = x < -clamp ? splat(-clamp) : x;
+  x = x > clamp ? splat(clamp) : x;
+  const vf x2 = x * x;
+  vf p = splat(-2.76076847742355e-16f);
+  p = p * x2 + 2.00018790482477e-13f;
+  p = p * x2 + -8.60467152213735e-11f;
+  p = p * x2 + 5.12229709037114e-08f;
+  p = p * x2 + 1.48572235717979e-05f;
+  p = p * x2 + 6.37261928875436e-04f;
+  p = p * x2 + 4.89352455891786e-03f;
+  vf d = splat(1.19825839466702e-06f);
+  d = d * x2 + 1.18534705686654e-04f;
+  d = d * x2 + 2.26843463243900e-03f;
+  d = d * x2 + 4.89352518554385e-03f;
+  return p * x / d;
 }
 
 // exp for x <= 0 (softmax arguments), ~1 ulp: 2^n * p(r) with |r| <= ln2 / 2.
@@ -311,6 +338,21 @@ struct SeqView {  // one sequence's slice of the step
   int64_t position(int64_t token) const { return seq_len - num_queries + token; }
 };
 
+// One layer's departures from plain causal attention (all off: window 0, softcap 0, no sinks).
+struct Variant {
+  int64_t window;  // > 0: the query at position p sees keys (p - window, p]
+  float softcap, inv_softcap;  // softcap > 0: score -> softcap * tanh(score / softcap), before the mask
+  const float* sinks;  // (num_heads,) one logit per query head that attends to nothing, or null
+
+  // The first key a query at `pos` sees. NOTE: every key loop starts here: the blocks before a
+  // window are stale (the engine may have handed them to another sequence), never to be read.
+  int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
+  vf cap(vf s) const { return tanh_v(s * inv_softcap) * softcap; }
+  // A row's online softmax state before any key: the sink as a logit already seen, with no value.
+  float start_max(int64_t qhead) const { return sinks ? sinks[qhead] : NEG_INF; }
+  float start_sum(int64_t qhead) const { return sinks && sinks[qhead] > NEG_INF ? 1.f : 0.f; }
+};
+
 inline int64_t kv_offset(const SeqView& s, int64_t pos, int64_t head, const Layout& L) {
   return s.block_table[pos >> L.block_shift] * L.cache_stride_block + (pos & (L.block_size - 1)) * L.cache_stride_tok +
          head * L.cache_stride_head;
@@ -380,7 +422,7 @@ inline __m512bh load_bf16_pairs(const void* p) { return (__m512bh)_mm512_loadu_s
 // whole, in address order. NV * W = head_dim rounded up to HEAD_DIM_STEP (padding lanes are zero).
 template <typename T, typename C, int NV>
 void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, const C* k_cache, const C* v_cache,
-                   const Layout& L, float scale, float v_scale) {
+                   const Layout& L, float scale, float v_scale, const Variant& var) {
   constexpr int Dp = NV * W;
   // NOTE: keys per chunk: 16 at every width, so the per-row softmax step (max, exp, the
   // accumulator's rescale) is paid once per 16 keys, not once per vector of scores
@@ -388,7 +430,9 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
   const int group = int(L.num_heads / L.num_kv_heads);
   const int rows = w.num_heads * group;
   const int64_t num_keys = sv.seq_len;
+  const int64_t first_key = var.first_key(sv.position(sv.num_queries - 1));  // the window's start (0 without)
   const int64_t token = sv.query_start + sv.num_queries - 1;
+  const bool capped = var.softcap > 0.f;
 
   alignas(64) float qf[MAX_TILE_ROWS * Dp];
   alignas(64) float acc[MAX_TILE_ROWS * Dp];
@@ -404,8 +448,10 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
     for (int j = 0; j < NV; ++j) store(dst + j * W, load(dst + j * W) * scale);
   }
   std::fill(acc, acc + rows * Dp, 0.f);
-  std::fill(mrow, mrow + rows, NEG_INF);
-  std::fill(lrow, lrow + rows, 0.f);
+  for (int r = 0; r < rows; ++r) {
+    mrow[r] = var.start_max(first_qhead + r);
+    lrow[r] = var.start_sum(first_qhead + r);
+  }
   vf part[W];
   using K = KRow<T, C>;
   const K* k_rows[KC];
@@ -428,10 +474,10 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
   const float* kr[KC];  // the fp32 K and V rows of the chunk's keys, for the current head
   const float* vr[KC];
   int64_t offs[KC];
-  for (int64_t key0 = 0; key0 < num_keys; key0 += KC) {
+  for (int64_t key0 = first_key; key0 < num_keys; key0 += KC) {
     const int nk = int(std::min<int64_t>(KC, num_keys - key0));
     for (int t = 0; t < nk; ++t) {
-      if (key0 + t + PREFETCH_KEYS < num_keys) {
+      if (key0 + t + PREFETCH_KEYS < num_keys) {  // NOTE: ahead only: nothing before first_key is touched
         prefetch_keys(k_cache, v_cache, sv, key0 + t + PREFETCH_KEYS, 1, w.first_head, span * int64_t(sizeof(C)), L);
       }
       offs[t] = kv_offset(sv, key0 + t, w.first_head, L);
@@ -482,7 +528,9 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
               part[t] = d;
             }
           }
-          s[c] = (LANES + t0) < nk ? reduce_lanes(part) * (bf16_path ? scale : 1.f) : splat(NEG_INF);
+          vf sc = reduce_lanes(part) * (bf16_path ? scale : 1.f);
+          if (capped) sc = var.cap(sc);  // before the padding lanes' -inf: tanh would make it finite
+          s[c] = (LANES + t0) < nk ? sc : splat(NEG_INF);
         }
         vf smax = s[0];
         for (int c = 1; c < CH; ++c) smax = vmax(smax, s[c]);
@@ -521,7 +569,7 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
 // row's score is Dp FMAs against the key's elements broadcast; causality is a per-lane compare.
 template <typename T, typename C, int NV>
 void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const C* k_cache, const C* v_cache,
-                 const Layout& L, float scale, float v_scale) {
+                 const Layout& L, float scale, float v_scale, const Variant& var) {
   // DB: accumulator vectors kept in registers at a time, beside the chunk's W score vectors
   constexpr int Dp = NV * W, DB = W == 8 ? 4 : 8;
   static_assert(Dp % DB == 0);
@@ -539,10 +587,13 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
   const K* k_rows[W];
   const bool bf16_path = bf16_dot<T, K, NV>() && L.head_dim == Dp;
   vi pos;  // each lane's token position; -1 for unused lanes (no key is visible)
-  int64_t last = 0;
+  vi lo;  // each lane's first visible key (its window's start)
+  vf m = splat(NEG_INF), lsum = vf{};  // the online softmax's running max and sum, per lane
+  int64_t last = 0, first_key = std::numeric_limits<int64_t>::max();
   for (int l = 0; l < W; ++l) {
     if (l >= w.num_rows) {
       pos[l] = -1;
+      lo[l] = 0;
       for (int d = 0; d < Dp; ++d) qT[d * W + l] = 0.f;
       for (int j = 0; j < Dp / 2; ++j) qT2[j * W + l] = 0;
       continue;
@@ -550,8 +601,12 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
     const int r = w.first_row + l;
     const int64_t token = r / group;
     pos[l] = int32_t(sv.position(token));
+    lo[l] = int32_t(var.first_key(pos[l]));
     last = std::max<int64_t>(last, pos[l]);
+    first_key = std::min<int64_t>(first_key, lo[l]);
     const int64_t qhead = int64_t(w.first_head) * group + r % group;
+    m[l] = var.start_max(qhead);
+    lsum[l] = var.start_sum(qhead);
     const T* qr = q + (sv.query_start + token) * L.q_stride_t + qhead * L.q_stride_h;
     if (bf16_path) {
       for (int j = 0; j < Dp / 2; ++j) std::memcpy(qT2 + j * W + l, qr + 2 * j, sizeof(uint32_t));
@@ -561,10 +616,11 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
     for (int d = 0; d < Dp; ++d) qT[d * W + l] = row[d] * scale;
   }
   std::fill(accT, accT + Dp * W, 0.f);
-  vf m = splat(NEG_INF), lsum = vf{};
   const int64_t num_keys = last + 1, head = w.first_head;
+  const bool windowed = var.window > 0, capped = var.softcap > 0.f;
 
-  for (int64_t key0 = 0; key0 < num_keys; key0 += W) {
+  // NOTE: from the earliest row's window start: no key before it is read (load_chunk prefetches ahead only)
+  for (int64_t key0 = first_key; key0 < num_keys; key0 += W) {
     const int nk = int(std::min<int64_t>(W, num_keys - key0));
     load_chunk<C, K, NV>(k_cache, v_cache, sv, key0, nk, head, L, bf16_path ? nullptr : kf, vfb, k_rows, kb);
     vf s[W];
@@ -596,10 +652,16 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
         for (int t = 0; t < nk; ++t) s[t] += qd * kf[t * Dp + d];
       }
     }
+    if (capped) {
+      for (int t = 0; t < nk; ++t) s[t] = var.cap(s[t]);
+    }
     vf chunk_max = splat(NEG_INF);
     for (int t = 0; t < nk; ++t) {
       // NOTE: causality: key key0 + t is visible to the lanes whose token sits at or after it
-      s[t] = (pos >= int32_t(key0 + t)) ? s[t] : splat(NEG_INF);
+      // (and, in a window, whose window starts at or before it)
+      const int32_t key = int32_t(key0 + t);
+      const vi visible = windowed ? ((pos >= key) & (lo <= key)) : (pos >= key);
+      s[t] = visible ? s[t] : splat(NEG_INF);
       chunk_max = vmax(chunk_max, s[t]);
     }
     const vf m_new = vmax(m, chunk_max);
@@ -669,7 +731,7 @@ void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, 
 template <typename T, typename C, int NV>
 void attend_all(const T* q, T* out, const C* kc, const C* vc, const std::vector<WorkItem>& items,
                 const int32_t* tables, const int32_t* lens, const int32_t* starts, const Layout& L, float scale,
-                float v_scale) {
+                float v_scale, const Variant& var) {
   const int64_t num_items = int64_t(items.size());
   const int num_threads = std::max(1, std::min<int>(at::get_num_threads(), int(num_items)));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -677,9 +739,9 @@ void attend_all(const T* q, T* out, const C* kc, const C* vc, const std::vector<
     const WorkItem& w = items[i];
     const SeqView sv{tables + w.seq * L.table_stride, lens[w.seq], starts[w.seq], starts[w.seq + 1] - starts[w.seq]};
     if (sv.num_queries == 1) {
-      attend_decode<T, C, NV>(w, sv, q, out, kc, vc, L, scale, v_scale);
+      attend_decode<T, C, NV>(w, sv, q, out, kc, vc, L, scale, v_scale, var);
     } else {
-      attend_rows<T, C, NV>(w, sv, q, out, kc, vc, L, scale, v_scale);
+      attend_rows<T, C, NV>(w, sv, q, out, kc, vc, L, scale, v_scale, var);
     }
   }
 }
@@ -689,11 +751,11 @@ template <typename T, typename C, int... S>
 void dispatch_head_dim(int steps, std::integer_sequence<int, S...>, const at::Tensor& q, at::Tensor& out,
                        const at::Tensor& k_cache, const at::Tensor& v_cache, const std::vector<WorkItem>& items,
                        const int32_t* tables, const int32_t* lens, const int32_t* starts, const Layout& L,
-                       float scale, float v_scale) {
+                       float scale, float v_scale, const Variant& var) {
   const C* kc = static_cast<const C*>(k_cache.data_ptr());
   const C* vc = static_cast<const C*>(v_cache.data_ptr());
   ((steps == S + 1 ? attend_all<T, C, (S + 1) * HEAD_DIM_STEP / W>(q.data_ptr<T>(), out.data_ptr<T>(), kc, vc, items,
-                                                                  tables, lens, starts, L, scale, v_scale)
+                                                                  tables, lens, starts, L, scale, v_scale, var)
                     : void()), ...);
 }
 
@@ -714,27 +776,33 @@ template <typename T, typename C>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
          const at::Tensor& slot_mapping, at::Tensor& out, const std::vector<WorkItem>& items,
          const int32_t* tables, int64_t num_seqs, const int32_t* lens, const int32_t* starts, const Layout& L,
-         float scale, float k_scale, float v_scale) {
+         float scale, float k_scale, float v_scale, const Variant& var) {
   write_cache<T, C>(k, v, k_cache, v_cache, slot_mapping.data_ptr<int64_t>(), L, 1.f / k_scale, 1.f / v_scale);
   const int steps = int((L.head_dim + HEAD_DIM_STEP - 1) / HEAD_DIM_STEP);
   constexpr auto all_steps = std::make_integer_sequence<int, MAX_HEAD_DIM_STEPS>{};
   // NOTE: K's scale multiplies every score, so it folds into the query scale; V's into the output
   const float qk_scale = scale * k_scale;
   if constexpr (std::is_same_v<T, C>) {
-    dispatch_head_dim<T, C>(steps, all_steps, q, out, k_cache, v_cache, items, tables, lens, starts, L, qk_scale, v_scale);
+    dispatch_head_dim<T, C>(steps, all_steps, q, out, k_cache, v_cache, items, tables, lens, starts, L, qk_scale,
+                            v_scale, var);
   } else {
     // NOTE: every query tile of a prompt reads all its keys, so an 8-bit pool's prompt blocks are
     // widened once, into a pool of q's dtype of their own (exact), instead of once per tile.
     // Decodes read each key once: they widen in place.
     std::vector<WorkItem> decodes, prompts;
     for (const WorkItem& w : items) (starts[w.seq + 1] - starts[w.seq] == 1 ? decodes : prompts).push_back(w);
-    dispatch_head_dim<T, C>(steps, all_steps, q, out, k_cache, v_cache, decodes, tables, lens, starts, L, qk_scale, v_scale);
+    dispatch_head_dim<T, C>(steps, all_steps, q, out, k_cache, v_cache, decodes, tables, lens, starts, L, qk_scale,
+                            v_scale, var);
     if (prompts.empty()) return;
     std::vector<int32_t> wide_tables(tables, tables + num_seqs * L.table_stride);
     std::vector<int32_t> sources;  // wide block b holds pool block sources[b]
     for (int64_t s = 0; s < num_seqs; ++s) {
-      if (starts[s + 1] - starts[s] == 1) continue;
-      for (int64_t j = 0; j < (lens[s] + L.block_size - 1) / L.block_size; ++j) {
+      const int32_t nq = starts[s + 1] - starts[s];
+      if (nq == 1) continue;
+      // NOTE: from the block of the first query's window start: the blocks before it are stale
+      // and never read (their table entries stay as they are, unused)
+      const int64_t first_block = var.first_key(lens[s] - nq) >> L.block_shift;
+      for (int64_t j = first_block; j < (lens[s] + L.block_size - 1) / L.block_size; ++j) {
         wide_tables[s * L.table_stride + j] = int32_t(sources.size());
         sources.push_back(tables[s * L.table_stride + j]);
       }
@@ -754,7 +822,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
       }
     });
     dispatch_head_dim<T, T>(steps, all_steps, q, out, wide_k, wide_v, prompts, wide_tables.data(), lens, starts, L, qk_scale,
-                            v_scale);
+                            v_scale, var);
   }
 }
 
@@ -763,17 +831,18 @@ template <typename T>
 void run_storage(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                  at::Tensor& v_cache, const at::Tensor& slot_mapping, at::Tensor& out,
                  const std::vector<WorkItem>& items, const int32_t* tables, int64_t num_seqs, const int32_t* lens,
-                 const int32_t* starts, const Layout& L, float scale, float k_scale, float v_scale) {
+                 const int32_t* starts, const Layout& L, float scale, float k_scale, float v_scale,
+                 const Variant& var) {
   switch (k_cache.scalar_type()) {
     case at::kFloat8_e4m3fn:
       return run<T, c10::Float8_e4m3fn>(q, k, v, k_cache, v_cache, slot_mapping, out, items, tables, num_seqs, lens,
-                                        starts, L, scale, k_scale, v_scale);
+                                        starts, L, scale, k_scale, v_scale, var);
     case at::kFloat8_e5m2:
       return run<T, c10::Float8_e5m2>(q, k, v, k_cache, v_cache, slot_mapping, out, items, tables, num_seqs, lens,
-                                      starts, L, scale, k_scale, v_scale);
+                                      starts, L, scale, k_scale, v_scale, var);
     default:
       return run<T, T>(q, k, v, k_cache, v_cache, slot_mapping, out, items, tables, num_seqs, lens, starts, L, scale,
-                       k_scale, v_scale);
+                       k_scale, v_scale, var);
   }
 }
 
@@ -781,7 +850,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
                                at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                                const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                const at::Tensor& query_start_loc, int64_t max_query_len,
-                               int64_t max_seq_len, double scale, double k_scale, double v_scale) {
+                               int64_t max_seq_len, double scale, double k_scale, double v_scale, int64_t window,
+                               double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be (T, heads, head_dim)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "caches must be contiguous (num_blocks, block_size, kv_heads, head_dim)");
@@ -814,6 +884,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
               "one slot per new token");
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs, "one row per sequence");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap: 0 (off) or positive");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == L.num_heads &&
+                         sinks->is_contiguous() && sinks->device().is_cpu()),
+              "sinks: a contiguous float32 (num_heads,) tensor");
+  const Variant var{window, float(softcap), softcap > 0.0 ? float(1.0 / softcap) : 0.f,
+                    sinks ? sinks->data_ptr<float>() : nullptr};
   auto out = at::empty({q.size(0), L.num_heads, L.head_dim}, q.options());
   L.out_stride_t = out.stride(0);
   L.out_stride_h = out.stride(1);
@@ -832,15 +908,17 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
     TORCH_CHECK((lens[s] + L.block_size - 1) / L.block_size <= block_tables.size(1), "block table too short");
     if (nq == 1) {
       const int32_t per_item = whole_rows ? int32_t(L.num_kv_heads) : 1;
+      const int64_t keys = lens[s] - var.first_key(lens[s] - 1);
       for (int32_t h = 0; h < L.num_kv_heads; h += per_item) {
-        items.push_back({s, h, per_item, 0, group, int64_t(lens[s]) * per_item * group});
+        items.push_back({s, h, per_item, 0, group, keys * per_item * group});
       }
       continue;
     }
     const int32_t num_rows = nq * group;
     for (int32_t r0 = 0; r0 < num_rows; r0 += W) {
       const int32_t n = std::min<int32_t>(W, num_rows - r0);
-      const int64_t keys = lens[s] - nq + (r0 + n - 1) / group + 1;  // keys seen by the tile's last row
+      const int64_t last = lens[s] - nq + (r0 + n - 1) / group;  // the tile's last row's position
+      const int64_t keys = last + 1 - var.first_key(lens[s] - nq + r0 / group);  // keys the tile reads
       for (int32_t h = 0; h < L.num_kv_heads; ++h) items.push_back({s, h, 1, r0, n, keys * W});
     }
   }
@@ -849,10 +927,10 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
 
   if (q.scalar_type() == at::kBFloat16) {
     run_storage<c10::BFloat16>(q, k, v, k_cache, v_cache, slot_mapping, out, items, tables, num_seqs, lens, starts, L,
-                               float(scale), float(k_scale), float(v_scale));
+                               float(scale), float(k_scale), float(v_scale), var);
   } else {
     run_storage<float>(q, k, v, k_cache, v_cache, slot_mapping, out, items, tables, num_seqs, lens, starts, L, float(scale),
-                       float(k_scale), float(v_scale));
+                       float(k_scale), float(v_scale), var);
   }
   return out;
 }

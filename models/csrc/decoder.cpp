@@ -54,9 +54,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
           .findSchemaOrThrow("attnserve::paged_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
                             const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt,
-                            c10::SymInt, double, double, double)>();
+                            c10::SymInt, double, double, double, int64_t, double, const std::optional<at::Tensor>&)>();
+  // NOTE: window 0, softcap 0, no sinks: the native decoder only runs models without variants
   return op.call(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                 c10::SymInt(max_query_len), c10::SymInt(max_seq_len), scale, k_scale, v_scale);
+                 c10::SymInt(max_query_len), c10::SymInt(max_seq_len), scale, k_scale, v_scale, 0, 0.0, std::nullopt);
 }
 
 // A value rounded to the model's dtype and back (identity in fp32; round to nearest even in bf16).
