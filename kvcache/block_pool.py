@@ -20,18 +20,27 @@ def summary_key(block_hash: BlockHash) -> bytes:
     return block_hash[:SUMMARY_KEY_BYTES]
 
 
+HASH_BYTES = 16
+
+
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     """Chained hash: equal hashes mean equal whole prefixes, not just equal blocks."""
-    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h = hashlib.blake2b(parent or b"", digest_size=HASH_BYTES)
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return h.digest()
+
+
+def group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The cache key of a prefix's block in KV group `group` (kvcache/storage.py): each group
+    holds its own copy of a prefix. Group 0's key is the prefix hash itself, which routing reads."""
+    return block_hash if group == 0 else block_hash + bytes((group % 256, group // 256))
 
 
 @dataclass(eq=False)
 class Block:
     block_id: int
     ref_cnt: int = 0
-    block_hash: BlockHash | None = None
+    block_hash: BlockHash | None = None  # its cache key (group_key), while cached
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
 
@@ -101,11 +110,11 @@ class BlockPool:
 
     def cache_summary(self, limit: int) -> frozenset[bytes]:
         """Summary keys of the newest `limit` cached prefixes (the map keeps insertion order)."""
-        keys = list(self.cached)
+        keys = [h for h in self.cached if len(h) == HASH_BYTES]  # group 0's: one per prefix
         return frozenset(summary_key(h) for h in keys[-limit:])
 
-    def get_cached_block(self, block_hash: BlockHash) -> Block | None:
-        return self.cached.get(block_hash) if self.enable_caching else None
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> Block | None:
+        return self.cached.get(group_key(block_hash, group)) if self.enable_caching else None
 
     def allocate(self, num_blocks: int) -> list[Block] | None:
         """Fresh blocks with ref_cnt 1, evicting cached ones as needed; None if too few are free."""
@@ -141,14 +150,15 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: Block, block_hash: BlockHash) -> None:
-        """Register a full, computed block under its prefix hash."""
+    def cache_block(self, block: Block, block_hash: BlockHash, group: int = 0) -> None:
+        """Register a full, computed block of KV group `group` under its prefix hash."""
         if not self.enable_caching or block.block_hash is not None:
             return
-        if block_hash in self.cached:  # same prefix computed twice concurrently: keep the first
+        key = group_key(block_hash, group)
+        if key in self.cached:  # same prefix computed twice concurrently: keep the first
             return
-        block.block_hash = block_hash
-        self.cached[block_hash] = block
+        block.block_hash = key
+        self.cached[key] = block
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only possible when no block is in use."""

@@ -6,7 +6,6 @@ K/V by slot and reads each sequence's keys through its block table in place (see
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -15,11 +14,13 @@ import torch
 
 from kvcache import ops  # noqa: F401 - registers torch.ops.attnserve.paged_attention
 from kvcache.storage import PagedKVCache
+from models.attention import AttentionVariant
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """One step's layout, built once (numpy) and shared by every layer."""
+    """One step's layout, built once (numpy) and shared by every layer. Slots and block tables
+    are per KV group (kvcache/storage.py); `slot_mapping` / `block_tables` are group 0's."""
 
     slot_mapping: torch.Tensor  # (T,) int64: flat pool slot of each new token
     block_tables: torch.Tensor  # (B, max_blocks) int32, padded with 0
@@ -27,23 +28,39 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # (B + 1,) int32: sequence i's new tokens are rows [s[i], s[i+1])
     max_query_len: int
     max_seq_len: int
+    other_groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # groups 1..: (slot_mapping, block_tables)
+
+    def tables(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot_mapping, block_tables) of KV group `group`."""
+        return (self.slot_mapping, self.block_tables) if group == 0 else self.other_groups[group - 1]
 
     @classmethod
     def build(cls, query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
               block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+        """One KV group: `block_tables` per sequence."""
+        return cls.build_groups(query_lens, context_lens, [block_tables], block_size, device)
+
+    @classmethod
+    def build_groups(cls, query_lens: Sequence[int], context_lens: Sequence[int],
+                     group_tables: Sequence[Sequence[Sequence[int]]], block_size: int,
+                     device: torch.device | str = "cpu") -> AttentionMetadata:
+        """`group_tables[g][i]`: sequence i's block table in KV group g."""
         query = np.asarray(query_lens, dtype=np.int64)
         seq_lens = np.asarray(context_lens, dtype=np.int64) + query
-        tables = np.zeros((len(block_tables), max(len(t) for t in block_tables)), dtype=np.int32)
-        for i, t in enumerate(block_tables):
-            tables[i, :len(t)] = t
         starts = np.zeros(len(query) + 1, dtype=np.int32)
         np.cumsum(query, out=starts[1:])
         seq_idx = np.repeat(np.arange(len(query)), query)
         pos = np.arange(starts[-1]) - np.repeat(starts[:-1], query) + np.repeat(seq_lens - query, query)
-        slots = tables[seq_idx, pos // block_size].astype(np.int64) * block_size + pos % block_size
-        return cls(torch.from_numpy(slots).to(device), torch.from_numpy(tables).to(device),
-                   torch.from_numpy(seq_lens.astype(np.int32)).to(device), torch.from_numpy(starts).to(device),
-                   int(query.max()), int(seq_lens.max()))
+        per_group = []
+        for block_tables in group_tables:
+            tables = np.zeros((len(block_tables), max(len(t) for t in block_tables)), dtype=np.int32)
+            for i, t in enumerate(block_tables):
+                tables[i, :len(t)] = t
+            slots = tables[seq_idx, pos // block_size].astype(np.int64) * block_size + pos % block_size
+            per_group.append((torch.from_numpy(slots).to(device), torch.from_numpy(tables).to(device)))
+        (slots, tables), *others = per_group
+        return cls(slots, tables, torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+                   torch.from_numpy(starts).to(device), int(query.max()), int(seq_lens.max()), tuple(others))
 
 
 @dataclass(frozen=True)
@@ -55,14 +72,22 @@ class PagedAttention:
 
     @classmethod
     def one_sequence(cls, cache: PagedKVCache, num_tokens: int) -> PagedAttention:
-        """A fresh sequence of num_tokens in blocks 0, 1, ...: a whole prompt through the pool, no scheduler."""
+        """A fresh sequence of num_tokens in blocks 0, 1, ... of every group: a whole prompt through
+        the pool, no scheduler. NOTE: groups share blocks here, so the pool needs as many blocks as
+        one group's table; only one sequence, computed in one step, ever uses them."""
         bs = cache.spec.block_size
-        meta = AttentionMetadata.build([num_tokens], [0], [list(range(-(-num_tokens // bs)))], bs, cache.k[0].device)
+        table = [list(range(-(-num_tokens // bs)))]
+        meta = AttentionMetadata.build_groups([num_tokens], [0], [table] * len(cache.spec.groups), bs,
+                                              cache.k[0].device)
         return cls(cache, meta)
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 variant: AttentionVariant | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         m, cache = self.meta, self.cache
+        variant = variant or AttentionVariant.plain(q.shape[-1])
+        slot_mapping, block_tables = m.tables(cache.spec.layer_group[layer_idx][0])
         return torch.ops.attnserve.paged_attention(
-            q, k, v, cache.k[layer_idx], cache.v[layer_idx], m.slot_mapping, m.block_tables, m.seq_lens,
-            m.query_start_loc, m.max_query_len, m.max_seq_len, 1.0 / math.sqrt(q.shape[-1]),
-            cache.scales.k[layer_idx], cache.scales.v[layer_idx])  # (T, H, D)
+            q, k, v, cache.k[layer_idx], cache.v[layer_idx], slot_mapping, block_tables, m.seq_lens,
+            m.query_start_loc, m.max_query_len, m.max_seq_len, variant.scale,
+            cache.scales.k[layer_idx], cache.scales.v[layer_idx],
+            variant.window or 0, variant.softcap or 0.0, sinks)  # (T, H, D)

@@ -1,10 +1,13 @@
 """Paged K/V tensors, sized from a memory budget or a block count."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
+from kvcache.manager import layer_blocks
 from kvcache.quant import KVScales, is_8bit
 
 
@@ -12,26 +15,82 @@ from kvcache.quant import KVScales, is_8bit
 class KVCacheSpec:
     """What one token and one block of KV cost. MHA / GQA / MQA differ only in num_kv_heads;
     `dtype` is the storage dtype (an 8-bit float for an 8-bit pool; its scales are per layer and
-    cost no bytes per token)."""
+    cost no bytes per token).
+
+    Layers with a sliding window keep only the blocks inside it, so layers of one kind share a
+    block table: a *group* is `group_size` layers of one kind (window), and a block id is one
+    block of every layer of the group that holds it. Groups of equal size share one pool (the
+    physical tensor of slot i serves layer i of whichever group owns the block), so a block freed
+    by a windowed group can hold a global layer's tokens next. With no windows there is one group
+    of every layer, as before.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     block_size: int = 16
+    layer_windows: tuple[int | None, ...] = ()  # per layer, None = global; () = every layer global
 
     def __post_init__(self) -> None:
         if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size) <= 0:
             raise ValueError("KV cache dimensions must be positive")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError("one window (or None) per layer")
+
+    @classmethod
+    def of(cls, cfg, dtype: torch.dtype, block_size: int = 16) -> KVCacheSpec:
+        """The KV of a model (models.config.ModelConfig), stored in `dtype`."""
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, block_size, cfg.layer_windows)
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @cached_property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """Layer indices per group: each kind's layers in order, cut into runs of `group_size`."""
+        kinds: dict[int | None, list[int]] = {}
+        for layer in range(self.num_layers):
+            kinds.setdefault(self.window(layer), []).append(layer)
+        size = math.gcd(*(len(v) for v in kinds.values()))
+        return tuple(tuple(v[i:i + size]) for v in kinds.values() for i in range(0, len(v), size))
+
+    @property
+    def group_size(self) -> int:
+        return len(self.groups[0])
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        return tuple(self.window(g[0]) for g in self.groups)
+
+    @cached_property
+    def layer_group(self) -> tuple[tuple[int, int], ...]:
+        """Per layer: (its group, its slot in the group = which physical K/V tensor it uses)."""
+        where = {layer: (g, slot) for g, layers in enumerate(self.groups) for slot, layer in enumerate(layers)}
+        return tuple(where[layer] for layer in range(self.num_layers))
+
+    @property
+    def bytes_per_layer_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+        """2 (K and V) x layers x kv_heads x head_dim x dtype size: a token every layer keeps."""
+        return self.num_layers * self.bytes_per_layer_token
 
     @property
     def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
+        """One block id: `block_size` tokens of every layer of one group."""
+        return self.group_size * self.bytes_per_layer_token * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks one sequence of `num_tokens` holds at most between steps: a windowed group keeps
+        the blocks covering its last `window` positions (at most one block more than the window)."""
+        return sum(layer_blocks(w, self.block_size, num_tokens) for w in self.group_windows)
+
+    def bytes_for(self, num_tokens: int) -> int:
+        """KV bytes the pool holds for one sequence of `num_tokens` (block granular)."""
+        return self.blocks_for(num_tokens) * self.bytes_per_block
 
     def num_blocks_for(self, budget_bytes: int) -> int:
         num = budget_bytes // self.bytes_per_block
@@ -58,9 +117,14 @@ class PagedKVCache:
         if len(self.scales.k) != spec.num_layers or len(self.scales.v) != spec.num_layers:
             raise ValueError("one K and one V scale per layer")
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.group_size)]
+        v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.group_size)]
+        # NOTE: per layer, its slot's tensor: layers of different groups share one (each block id
+        # belongs to one group at a time, so they never write the same block)
+        self.k = [k[slot] for _, slot in spec.layer_group]
+        self.v = [v[slot] for _, slot in spec.layer_group]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k) + sum(t.nbytes for t in self.v)
+        unique = {id(t): t for t in self.k + self.v}
+        return sum(t.nbytes for t in unique.values())

@@ -5,7 +5,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2", "gpt_bigcode")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2", "gpt_bigcode",
+                           "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "granite_swa")
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class ModelConfig:
     intermediate_size: int
     vocab_size: int
     max_position_embeddings: int
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    # rmsnorm: cast, then scale (Llama); rmsnorm_fp32: scale, then cast (OLMo 2); gemma_rmsnorm: x (1 + w) in fp32
+    norm: Literal["rmsnorm", "rmsnorm_fp32", "gemma_rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = 1e-5
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     activation: Literal["silu", "gelu", "gelu_tanh"] = "silu"
@@ -69,6 +71,18 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Attention variants (docs/attention.md): all off is plain Llama attention
+    layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window in tokens, None = global; () = all global
+    qk_norm: Literal["none", "head", "all"] = "none"  # RMSNorm of q and k before RoPE: per head (Qwen3, Gemma 3) or over all heads (OLMo 2)
+    attn_softcap: float | None = None  # scores -> c * tanh(scores / c) (Gemma 2)
+    final_softcap: float | None = None  # the same on the LM head's logits (Gemma 2)
+    attn_scale: float | None = None  # softmax scale instead of 1/sqrt(head_dim): query pre-scale (Gemma, Granite)
+    attn_sinks: bool = False  # a learned logit per head that takes a share of each softmax (gpt-oss, Granite SWA)
+    block_norms: Literal["pre", "post", "sandwich"] = "pre"  # norm before (Llama), after (OLMo 2) or both (Gemma)
+    embed_scale: float | None = None  # embeddings times this, rounded to the model's dtype first (Gemma, Granite)
+    residual_scale: float = 1.0  # each block's output times this before the residual add (Granite)
+    logits_scaling: float | None = None  # LM-head logits divided by this (Granite)
+    layer_ropes: tuple[RopeConfig | None, ...] = ()  # per layer where they differ: its RoPE, None = none (NoPE)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -81,7 +95,7 @@ class ModelConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.norm not in ("rmsnorm", "layernorm"):
+        if self.norm not in ("rmsnorm", "rmsnorm_fp32", "gemma_rmsnorm", "layernorm"):
             raise ValueError(f"unknown norm {self.norm!r}")
         if self.mlp not in ("swiglu", "gelu"):
             raise ValueError(f"unknown mlp {self.mlp!r}")
@@ -93,6 +107,20 @@ class ModelConfig:
             raise ValueError("rope positions need a RopeConfig")
         if not math.isfinite(self.norm_eps) or self.norm_eps <= 0:
             raise ValueError("norm_eps must be positive")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+        if any(w is not None and w <= 0 for w in self.layer_windows):
+            raise ValueError("a sliding window must be positive")
+        if self.qk_norm not in ("none", "head", "all"):
+            raise ValueError(f"unknown qk_norm {self.qk_norm!r}")
+        if self.block_norms not in ("pre", "post", "sandwich"):
+            raise ValueError(f"unknown block_norms {self.block_norms!r}")
+        for name in ("attn_softcap", "final_softcap", "attn_scale", "embed_scale", "logits_scaling", "residual_scale"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be positive")
+        if self.layer_ropes and (len(self.layer_ropes) != self.num_layers or self.position != "rope"):
+            raise ValueError("layer_ropes needs rope positions and one entry per layer")
 
     @property
     def attention_kind(self) -> Literal["mha", "gqa", "mqa"]:
@@ -104,6 +132,35 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None for a global layer."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def is_windowed(self) -> bool:
+        return any(w is not None for w in self.layer_windows)
+
+    @property
+    def attention_variants(self) -> tuple[str, ...]:
+        """Which departures from plain causal attention this model's layers make."""
+        named = {"sliding_window": self.is_windowed, "qk_norm": self.qk_norm != "none",
+                 "logit_softcap": self.attn_softcap is not None, "query_pre_scale": self.attn_scale is not None,
+                 "sinks": self.attn_sinks}
+        return tuple(name for name, on in named.items() if on)
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def layer_rope(self, layer: int) -> RopeConfig | None:
+        """Layer `layer`'s RoPE: the model's, or its own (Gemma 3's windowed layers, Granite SWA's NoPE)."""
+        return self.layer_ropes[layer] if self.layer_ropes else self.rope
+
     def kv_bytes_per_token(self, dtype_size: int) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+        """2 (K and V) x layers x kv_heads x head_dim x bytes per element: every layer global."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
+
+    def kv_bytes(self, num_tokens: int, dtype_size: int) -> int:
+        """KV one sequence of `num_tokens` needs at least: a windowed layer keeps only its window."""
+        per_layer_token = 2 * self.num_kv_heads * self.head_dim * dtype_size
+        return sum(min(num_tokens, self.window(i) or num_tokens) for i in range(self.num_layers)) * per_layer_token

@@ -57,6 +57,10 @@ def convert_kv_heads(ckpt: HFCheckpoint, num_kv_heads: int, progress: bool = Tru
     if num_kv_heads < 1:
         raise ValueError("--kv-heads must be at least 1")
     new_config = with_kv_heads(ckpt.config, num_kv_heads)
+    if cfg.architecture in ("phi3", "olmo2"):
+        # NOTE: phi3 stores k/v fused with q; olmo2 normalises k over all its heads at once (a new head
+        # count changes that norm)
+        raise ValueError(f"converting kv heads of {cfg.architecture} is not supported")
     h, d, old_kv = cfg.num_heads, cfg.head_dim, cfg.num_kv_heads
     kv_sources(h, old_kv, num_kv_heads)  # validates divisibility
     tensors = dict(ckpt.tensors)
@@ -82,7 +86,7 @@ def convert(src: str | Path, num_kv_heads: int, out_dir: str | Path, dtype: torc
     src = Path(src)
     ckpt = read_checkpoint(src)
     if ckpt.config.get("model_type") == "gpt2":
-        raise ValueError("gpt2 has no kv-head setting in transformers; convert llama, mistral, qwen2 or gpt_bigcode")
+        raise ValueError("gpt2 has no kv-head setting in transformers; convert llama, mistral, qwen2, qwen3, gemma2, gemma3_text or gpt_bigcode")
     converted = convert_kv_heads(ckpt, num_kv_heads, progress)
     tokenizer = load_tokenizer(src) if src.suffix == ".gguf" else None
     return write_checkpoint(converted, out_dir, tokenizer=tokenizer, dtype=dtype)

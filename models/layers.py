@@ -9,21 +9,30 @@ from models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """HF-exact RMSNorm: normalise in fp32, cast back, then scale."""
+    """HF-exact RMSNorm: normalise in fp32, cast back, then scale (Llama). The same rounding as
+    each model's own: `kind` rmsnorm_fp32 scales before the cast (OLMo 2), gemma_rmsnorm scales
+    by (1 + w) before the cast (Gemma)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kind: str = "rmsnorm") -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if kind == "gemma_rmsnorm" else torch.ones(dim))
         self.eps = eps
+        self.kind = kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.kind == "rmsnorm":
+            return self.weight * normed.to(x.dtype)
+        if self.kind == "gemma_rmsnorm":
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return (self.weight.float() * normed).to(x.dtype)
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    """The model's norm over `dim` features (the hidden size by default)."""
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(dim or cfg.hidden_size, eps=cfg.norm_eps)
+    return RMSNorm(dim or cfg.hidden_size, cfg.norm_eps, cfg.norm)
 
 
 def activate(x: torch.Tensor, kind: str) -> torch.Tensor:

@@ -10,7 +10,6 @@ from torch import nn
 
 from models.checkpoint import HFCheckpoint, read_checkpoint
 from models.hf_config import config_from_hf
-from models.rope import rope_inv_freq
 from models.transformer import DecoderLM
 from models.weights import hf_to_internal
 
@@ -58,8 +57,7 @@ def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32
         model.lm_head.weight = model.embed.weight
     # NOTE: a fused matrix's kind lists its parts' ("Q4_K+Q6_K"): each format named once
     model.quantization = "+".join(sorted({k for w in quantized.values() for k in w.kind.split("+")})) or "none"
-    if cfg.rope is not None:
-        model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
+    model.set_rope_frequencies(device)
     return model.eval().requires_grad_(False)
 
 

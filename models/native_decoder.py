@@ -39,6 +39,8 @@ def unsupported(model: DecoderLM) -> str | None:
         return "runs on CPU in float32 or bfloat16 only"
     if (cfg.norm, cfg.mlp, cfg.activation, cfg.position) != ("rmsnorm", "swiglu", "silu", "rope"):
         return "layers other than RMSNorm + RoPE + SwiGLU"
+    if cfg.attention_variants or cfg.block_norms != "pre" or cfg.embed_scale or cfg.final_softcap:
+        return f"attention variants or block forms it does not implement ({', '.join(cfg.attention_variants)})"
     if not ops.CPU_BACKEND.startswith("native"):
         return "no C++ paged-attention kernel"
     for layer in model.layers:

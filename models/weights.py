@@ -35,17 +35,37 @@ def _cat(parts: list) -> torch.Tensor:
     return torch.cat(parts)
 
 
+# Our norms -> HF's, by where the block puts them (models/transformer.py DecoderLayer)
+_NORMS = {
+    "pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
+    "post": {"attn_post_norm": "post_attention_layernorm", "mlp_post_norm": "post_feedforward_layernorm"},
+    "sandwich": {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                 "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"},
+}
+
+
+def _fused_or_cat(hf: dict[str, torch.Tensor], fused: str, parts: list[str]) -> torch.Tensor:
+    """A matrix the checkpoint stores fused already (Phi-3's qkv_proj, gate_up_proj), else its parts stacked."""
+    return hf.pop(fused) if fused in hf else _cat([_pop(hf, p) for p in parts])
+
+
 def _llama_layer(hf: dict[str, torch.Tensor], cfg: ModelConfig, i: int, out: dict[str, torch.Tensor]) -> None:
     src, dst = f"model.layers.{i}.", f"layers.{i}."
-    out[dst + "attn_norm.weight"] = _pop(hf, src + "input_layernorm.weight")
-    out[dst + "mlp_norm.weight"] = _pop(hf, src + "post_attention_layernorm.weight")
+    for ours, theirs in _NORMS[cfg.block_norms].items():
+        out[dst + f"{ours}.weight"] = _pop(hf, src + f"{theirs}.weight")
+    if cfg.qk_norm != "none":
+        out[dst + "attn.q_norm.weight"] = _pop(hf, src + "self_attn.q_norm.weight")
+        out[dst + "attn.k_norm.weight"] = _pop(hf, src + "self_attn.k_norm.weight")
+    if cfg.attn_sinks:
+        out[dst + "attn.sinks"] = _pop(hf, src + "self_attn.sinks")
     for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-        out[dst + f"attn.qkv_proj.{kind}"] = _cat([_pop(hf, src + f"self_attn.{p}_proj.{kind}") for p in "qkv"])
+        out[dst + f"attn.qkv_proj.{kind}"] = _fused_or_cat(hf, src + f"self_attn.qkv_proj.{kind}",
+                                                           [src + f"self_attn.{p}_proj.{kind}" for p in "qkv"])
     for kind in ("weight", "bias") if cfg.o_bias else ("weight",):
         out[dst + f"attn.o_proj.{kind}"] = _pop(hf, src + f"self_attn.o_proj.{kind}")
     for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
-        out[dst + f"mlp.gate_up_proj.{kind}"] = _cat([_pop(hf, src + f"mlp.gate_proj.{kind}"),
-                                                       _pop(hf, src + f"mlp.up_proj.{kind}")])
+        out[dst + f"mlp.gate_up_proj.{kind}"] = _fused_or_cat(hf, src + f"mlp.gate_up_proj.{kind}",
+                                                              [src + f"mlp.gate_proj.{kind}", src + f"mlp.up_proj.{kind}"])
         out[dst + f"mlp.down_proj.{kind}"] = _pop(hf, src + f"mlp.down_proj.{kind}")
 
 

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from loadtests.servers import free_port  # noqa: E402
-from tests.tiny import ARCHS, make_checkpoint  # noqa: E402
+from tests.tiny import ARCHS, VARIANT_ARCHS, make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +25,13 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
         arch: make_checkpoint(root / arch, arch, max_shard_size="100KB" if arch == "llama" else None)
         for arch in ARCHS
     }
+
+
+@pytest.fixture(scope="session")
+def variant_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One tiny random checkpoint per attention-variant model type (tests/tiny.py VARIANT_ARCHS)."""
+    root = tmp_path_factory.mktemp("tiny-variants")
+    return {arch: make_checkpoint(root / arch, arch) for arch in VARIANT_ARCHS}
 
 
 @pytest.fixture(scope="session")

@@ -86,3 +86,22 @@ def tiny_oracle(checkpoints, num_tokens: int):
             cache[(arch, dtype)] = (load_model(path, dtype), load_tokenizer(path), expected)
         return cache[(arch, dtype)]
     return get
+
+
+def generate_and_check(engine, prompts, params, expected):
+    """Run `prompts` through `engine` and compare with HF's greedy tokens (`expected(prompt)` ->
+    tokens, top logprobs): fp32 exactly, bf16 up to a first difference that is a near-tie. Every
+    block is back and nothing is left running afterwards. Returns the results."""
+    results = engine.generate(prompts, params)
+    for prompt, group in zip(prompts, results):
+        theirs, their_tops = expected(prompt)
+        ours = list(group[0].token_ids)
+        if engine.config.dtype == "float32":
+            assert ours == theirs, f"prompt of {len(prompt)} tokens diverged"
+        else:
+            our_tops = [dict(lp.top) for lp in group[0].logprobs]
+            assert_greedy_close(ours, our_tops, theirs, their_tops, f"prompt of {len(prompt)} tokens")
+        assert group[0].finish_reason == "length"
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks  # every block back after every request
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    return results

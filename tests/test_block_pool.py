@@ -14,8 +14,8 @@ def check_invariants(kv: KVCacheManager) -> None:
     assert len(free_ids) == len(set(free_ids)) == pool.num_free_blocks
     assert all(pool.blocks[i].ref_cnt == 0 for i in free_ids)
     refs = {}
-    for blocks in kv.req_blocks.values():
-        for b in blocks:
+    for groups in kv.req_blocks.values():
+        for b in (b for blocks in groups for b in blocks if b is not None):
             refs[b.block_id] = refs.get(b.block_id, 0) + 1
     for b in pool.blocks:
         assert b.ref_cnt == refs.get(b.block_id, 0)
@@ -56,7 +56,7 @@ def test_manager_prefix_hit_and_lru_eviction_exact_ids():
     kv.cache_full_blocks("a", prompt, 10)
     assert len(kv.pool.cached) == 2
     hit = kv.find_prefix("b", prompt + [99])
-    assert [b.block_id for b in hit.blocks] == [0, 1] and hit.num_tokens == 8
+    assert [b.block_id for b in hit.blocks[0]] == [0, 1] and hit.num_tokens == 8
     assert kv.allocate_slots("b", 11, hit) == (3,)
     assert kv.block_ids("b") == [0, 1, 3]
     assert kv.pool.blocks[0].ref_cnt == 2

@@ -5,7 +5,7 @@ and bf16 (HF in the same dtype)."""
 import pytest
 
 from server.engine import EngineConfig, LLMEngine, SamplingParams
-from tests.reference import assert_greedy_close, tiny_oracle
+from tests.reference import generate_and_check, tiny_oracle
 from tests.tiny import CORPUS, mixed_prompts
 
 ARCHS = ["llama", "mistral", "gpt2"]  # GQA, MQA, MHA
@@ -35,19 +35,7 @@ def setup(oracle, request):
 
 
 def run_and_check(engine, prompts, expected):
-    """fp32: exactly HF's tokens. bf16: HF's tokens up to a first difference that is a near-tie."""
-    results = engine.generate(prompts, GREEDY)
-    for prompt, group in zip(prompts, results):
-        theirs, their_tops = expected(prompt)
-        ours = list(group[0].token_ids)
-        if engine.config.dtype == "float32":
-            assert ours == theirs, f"prompt of {len(prompt)} tokens diverged"
-        else:
-            our_tops = [dict(lp.top) for lp in group[0].logprobs]
-            assert_greedy_close(ours, our_tops, theirs, their_tops, f"prompt of {len(prompt)} tokens")
-        assert group[0].finish_reason == "length"
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks  # every block back after every request
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    return generate_and_check(engine, prompts, GREEDY, expected)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

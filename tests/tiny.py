@@ -23,6 +23,13 @@ Shall I compare thee to a summer's day? Thou art more lovely and more temperate.
 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 32 64 128 256 512 1024 hello world user assistant system
 """
 ARCHS = ("llama", "mistral", "qwen2", "gpt2", "gpt_bigcode")
+WINDOW = 24  # the windowed tiny models' sliding window: prompts run below, at and past it
+# Attention variants (issue 23): each name is a tiny checkpoint of the model type before its "-"
+VARIANT_ARCHS = ("qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "mistral-window", "qwen2-window", "granite_swa")
+
+
+def model_type(arch: str) -> str:
+    return arch.split("-")[0]
 
 
 def train_tokenizer(vocab_size: int = 384):
@@ -64,6 +71,45 @@ def hf_config(arch: str, vocab_size: int, eos: int, bos: int, kv_heads: int | No
         return T.GPT2Config(**gpt_like)
     if arch == "gpt_bigcode":  # MQA
         return T.GPTBigCodeConfig(multi_query=(kv_heads or 1) == 1, **gpt_like)
+    return _variant_config(arch, llama_like, kv_heads)
+
+
+def _variant_config(arch: str, llama_like: dict, kv_heads: int | None):
+    """The issue-23 model types. Soft-caps are small so that random weights reach them; Gemma's
+    embeddings are untied (tied and scaled, a random tiny model repeats its last token)."""
+    import transformers as T
+
+    kv = kv_heads or 2
+    if arch == "qwen3":  # QK-norm per head; a sliding layer after a global one
+        return T.Qwen3Config(num_key_value_heads=kv, head_dim=16, use_sliding_window=True, sliding_window=WINDOW,
+                             max_window_layers=1, **llama_like)
+    if arch == "gemma2":  # soft-capped scores and logits, query pre-scale, sliding / global alternating
+        return T.Gemma2Config(num_key_value_heads=kv, head_dim=16, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=5.0, sliding_window=WINDOW,
+                              tie_word_embeddings=False, hidden_activation="gelu_pytorch_tanh", **llama_like)
+    if arch == "gemma3_text":  # QK-norm, two sliding layers per global one, a local RoPE base
+        cfg = dict(llama_like, num_hidden_layers=3)
+        return T.Gemma3TextConfig(num_key_value_heads=kv, head_dim=16, query_pre_attn_scalar=16,
+                                  sliding_window=WINDOW, layer_types=["sliding_attention", "sliding_attention",
+                                                                      "full_attention"],
+                                  rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                                      "factor": 8.0},
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                                  tie_word_embeddings=False, **cfg)
+    if arch == "phi3":  # fused qkv and gate/up in the checkpoint
+        return T.Phi3Config(num_key_value_heads=kv, sliding_window=None, **llama_like)
+    if arch == "olmo2":  # norms after attention and MLP; q and k normalised over all heads
+        return T.Olmo2Config(num_key_value_heads=kv, **llama_like)
+    if arch == "mistral-window":  # every layer sliding
+        return T.MistralConfig(num_key_value_heads=kv, sliding_window=WINDOW, **llama_like)
+    if arch == "granite_swa":  # learned sinks; a global layer then three sliding ones; a NoPE layer; multipliers
+        cfg = dict(llama_like, num_hidden_layers=4)
+        return T.GraniteSWAConfig(num_key_value_heads=kv, sliding_window=WINDOW, layer_rope_theta=[1e4, 1e4, 0, 5e5],
+                                  attention_multiplier=0.3, embedding_multiplier=2.0, residual_multiplier=0.7,
+                                  logits_scaling=1.5, **cfg)
+    if arch == "qwen2-window":  # the layers from max_window_layers on slide
+        return T.Qwen2Config(num_key_value_heads=kv, use_sliding_window=True, sliding_window=WINDOW,
+                             max_window_layers=1, **llama_like)
     raise ValueError(arch)
 
 
@@ -77,10 +123,14 @@ def make_checkpoint(out: Path, arch: str, seed: int = 0, kv_heads: int | None = 
     cfg = hf_config(arch, len(tok), eos, bos, kv_heads)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # learned sinks start at 0: give them weight, so that tests see them
+        for name, p in model.named_parameters():
+            if name.endswith(".sinks"):
+                p.normal_(0.0, 2.0)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)
     tok.save_pretrained(out)
-    assert json.loads((out / "config.json").read_text())["model_type"] == arch
+    assert json.loads((out / "config.json").read_text())["model_type"] == model_type(arch)
     return out
 
 

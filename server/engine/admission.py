@@ -9,6 +9,7 @@ from typing import Sequence
 from kvcache.manager import cdiv
 from server.engine.errors import InvalidRequestError
 from server.engine.sampling_params import SamplingParams
+from server.kv_forms import kv_bytes_at
 from server.wire import ModelInfo
 
 
@@ -25,7 +26,10 @@ def validate_request(info: ModelInfo, prompt_token_ids: Sequence[int], params: S
         raise InvalidRequestError(
             f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
             f"the model's context of {info.max_model_len} tokens", "max_tokens")
-    need = cdiv(n + params.max_tokens, info.block_size)
+    # NOTE: a windowed layer holds only its window's blocks: what the sequence needs at its longest
+    block_bytes = info.kv_block_bytes or info.kv_bytes_per_token * info.block_size
+    need = cdiv(kv_bytes_at(info.kv_bytes_per_token, info.layer_windows, info.block_size, n + params.max_tokens),
+                block_bytes)
     if need > info.num_blocks:
         raise InvalidRequestError(
             f"prompt + max_tokens needs {need} KV blocks but the whole KV cache has {info.num_blocks}", "max_tokens")

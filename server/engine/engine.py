@@ -70,7 +70,7 @@ class LLMEngine:
         self.model_config = cfg
         self.max_model_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.dtype)
-        self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, config.block_size)
+        self.kv_spec = KVCacheSpec.of(cfg, kv_dtype, config.block_size)
         # NOTE: weight_bytes is what the weights take as served (quantized, packed): with kv_cache_memory
         # auto the pool is memory_budget minus that, so every byte quantization saves becomes KV blocks
         self.weight_bytes = model.weight_bytes()
@@ -94,7 +94,7 @@ class LLMEngine:
                     format_size(self.weight_bytes), model.quantization, num_blocks, config.block_size,
                     format_size(num_blocks * self.kv_spec.bytes_per_block))
         self.cache = PagedKVCache(self.kv_spec, num_blocks, model.device, scales_for(model, kv_dtype, tokenizer))
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_spec.group_windows)
         self.runner = ModelRunner(model, self.cache, compile=not config.enforce_eager, native=config.native_decoder)
         logger.info("attnserve step: %s", self.runner.step)
         self.proposer: Proposer | None = None
@@ -102,7 +102,7 @@ class LLMEngine:
             self.proposer = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max) if draft is None \
                 else DraftModelProposer(ModelRunner(draft, PagedKVCache(draft_spec, num_blocks, draft.device),
                                                     compile=not config.enforce_eager, native=config.native_decoder),
-                                        num_blocks, config.block_size)
+                                        num_blocks, draft_spec)
             logger.info("attnserve speculative decoding: %s", self.spec)
         self.gate = SpeculationGate() if self.spec is not None and self.spec.auto_disable else None
         self._drafting = False  # this step verifies drafts the last one proposed
@@ -121,7 +121,8 @@ class LLMEngine:
         self.info = ModelInfo(self.max_model_len, cfg.attention_kind, cfg.num_kv_heads, self.kv_spec.bytes_per_token,
                               cfg.vocab_size, config.block_size, num_blocks, cfg.num_heads, dtype_name(kv_dtype),
                               self.cpu_path, model.quantization, self.weight_bytes,
-                              self.spec.method if self.spec is not None else None)
+                              self.spec.method if self.spec is not None else None, cfg.layer_windows,
+                              self.kv_spec.bytes_per_block, cfg.attention_variants)
         self.groups: dict[str, list[Request]] = {}
         self.num_steps = 0
         self.num_step_errors = 0

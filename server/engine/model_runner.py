@@ -81,7 +81,8 @@ class ModelRunner:
         bs = self.cache.spec.block_size
         for query_len, context_len in ((2, 0), (1, 2)):
             total = query_len + context_len
-            meta = AttentionMetadata.build([query_len], [context_len], [[0] * -(-total // bs)], bs, self.device)
+            meta = AttentionMetadata.build_groups([query_len], [context_len],
+                                                  [[[0] * -(-total // bs)]] * len(self.cache.spec.groups), bs, self.device)
             ids = torch.zeros(query_len, dtype=torch.long, device=self.device)
             positions = torch.arange(context_len, total, device=self.device)
             with torch.inference_mode():
@@ -106,9 +107,9 @@ class ModelRunner:
                 # (a constrained request gets no drafts, so masks stay one row per sequence)
                 rows.extend((req, req.output_token_ids + list(drafts[:i + 1]) if req.params.has_penalties else
                              req.output_token_ids, None) for i in range(len(drafts)))
-        attn = AttentionMetadata.build(
+        attn = AttentionMetadata.build_groups(
             [s.query_len for s in out.seqs], [s.num_computed_tokens for s in out.seqs],
-            [s.block_ids for s in out.seqs], self.cache.spec.block_size, self.device,
+            list(zip(*(s.block_ids for s in out.seqs))), self.cache.spec.block_size, self.device,
         )
         # NOTE: a matcher's state is its sequence's tokens so far, so the masks are filled before the step
         masks = fill_bitmask([g for _, _, g in rows], self.model.config.vocab_size)
@@ -133,7 +134,7 @@ class ModelRunner:
         hidden = self.forward(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.attn))  # (T, C)
         if not len(batch.logits_indices):
             return StepResult((), ())
-        logits = self.model.lm_head(hidden[batch.logits_indices])  # (R, V) in the model's dtype
+        logits = self.model.logits(hidden[batch.logits_indices])  # (R, V) in the model's dtype
         if batch.grammar_masks is not None:
             apply_bitmask(logits, batch.grammar_masks)  # every sampling field then applies inside the mask
         if batch.draft_token_ids is not None:

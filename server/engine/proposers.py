@@ -82,18 +82,17 @@ class DraftModelProposer:
     one token per further draft; `rollback` forgets the drafts verification did not keep.
     """
 
-    def __init__(self, runner: Any, num_blocks: int, block_size: int) -> None:
+    def __init__(self, runner: Any, num_blocks: int, spec: KVCacheSpec) -> None:
         self.runner = runner  # a ModelRunner over the draft model and `runner.cache`
-        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
-        self.block_size = block_size
+        self.kv = KVCacheManager(num_blocks, spec.block_size, enable_caching=False, group_windows=spec.group_windows)
+        self.block_size = spec.block_size
         self.num_computed: dict[str, int] = {}
         self.max_catch_up = 0  # the last proposal's longest first feed: a prompt, or tokens since drafts were off
 
     @staticmethod
     def kv_spec(model: DecoderLM, block_size: int) -> KVCacheSpec:
         """The draft's KV: in its own dtype (its bytes count in the engine's memory budget)."""
-        cfg = model.config
-        return KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, block_size)
+        return KVCacheSpec.of(model.config, model.dtype, block_size)
 
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
@@ -102,31 +101,32 @@ class DraftModelProposer:
         self.max_catch_up = max(map(len, feeds), default=0)
         active = list(range(len(requests)))
         for step in range(max(num_drafts, default=0)):
-            active = [i for i in active if num_drafts[i] > step]
+            # NOTE: a request whose feed finds no draft blocks proposes what it has so far; the rest go on
+            active = [i for i in active if num_drafts[i] > step and self._allocate(requests[i].request_id, feeds[i])]
             if not active:
                 break
             tokens = self._greedy([requests[i].request_id for i in active], [feeds[i] for i in active])
-            if tokens is None:  # out of draft blocks: propose what we have
-                break
             for i, t in zip(active, tokens):
                 drafts[i].append(t)
                 feeds[i] = [t]
         return drafts
 
-    def _greedy(self, request_ids: list[str], feeds: list[list[int]]) -> list[int] | None:
+    def _allocate(self, request_id: str, feed: list[int]) -> bool:
+        c = self.num_computed.get(request_id, 0)
+        return self.kv.allocate_slots(request_id, c + len(feed), num_computed_tokens=c) is not None
+
+    def _greedy(self, request_ids: list[str], feeds: list[list[int]]) -> list[int]:
+        """One draft step over requests whose blocks are allocated: each one's greedy next token."""
         contexts = [self.num_computed.get(rid, 0) for rid in request_ids]
-        for rid, c, feed in zip(request_ids, contexts, feeds):
-            if self.kv.allocate_slots(rid, c + len(feed)) is None:
-                return None
         bs, device = self.block_size, self.runner.device
-        meta = AttentionMetadata.build([len(f) for f in feeds], contexts, [self.kv.block_ids(r) for r in request_ids],
-                                       bs, device)
+        tables = [[self.kv.block_table(r, g) for r in request_ids] for g in range(self.kv.num_groups)]
+        meta = AttentionMetadata.build_groups([len(f) for f in feeds], contexts, tables, bs, device)
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=device)  # (T,)
         positions = torch.from_numpy(np.concatenate([np.arange(c, c + len(f)) for c, f in zip(contexts, feeds)]))
         last = torch.from_numpy(np.cumsum([len(f) for f in feeds]) - 1).to(device)  # (B,) each feed's last row
         with torch.inference_mode():
             hidden = self.runner.forward(ids, positions.to(device), PagedAttention(self.runner.cache, meta))  # (T, C)
-            logits = self.runner.model.lm_head(hidden[last])  # (B, V)
+            logits = self.runner.model.logits(hidden[last])  # (B, V)
         for rid, c, feed in zip(request_ids, contexts, feeds):
             self.num_computed[rid] = c + len(feed)
         return logits.max(-1).indices.tolist()

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from kvcache.manager import KVCacheManager
+from kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 from server.engine.request import Request, RequestStatus
 
 
@@ -21,7 +21,7 @@ class ScheduledSeq:
     request: Request
     num_new_tokens: int
     num_computed_tokens: int  # before this step
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]  # per KV group: its block table (kvcache/manager.py)
     draft_token_ids: tuple[int, ...] = ()  # speculative decoding: verified after the request's last token
 
     @property
@@ -78,7 +78,7 @@ class Scheduler:
             n = min(req.num_new_tokens, budget)
             drafts = tuple(req.draft_token_ids[:max(spare, 0)]) if n == req.num_new_tokens else ()
             req.draft_token_ids = []
-            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n + len(drafts)) is None:
+            while (fitted := self._allocate(req, req.num_computed_tokens, n, len(drafts))) is None:
                 victim = self.running[-1]  # newest first
                 self._preempt(victim)
                 preempted.append(victim)
@@ -90,6 +90,7 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
+            n = fitted
             chosen[req.request_id] = (req, n, req.num_computed_tokens, drafts)
             budget -= n + len(drafts)
             spare -= len(drafts)
@@ -101,8 +102,8 @@ class Scheduler:
                 break
             first = req.stats.first_scheduled_time is None
             hit = self.kv.find_prefix(req.request_id, req.all_token_ids)
-            n = min(req.num_tokens - hit.num_tokens, budget)
-            if self.kv.allocate_slots(req.request_id, hit.num_tokens + n, hit) is None:
+            n = self._allocate(req, hit.num_tokens, min(req.num_tokens - hit.num_tokens, budget), prefix=hit)
+            if n is None:
                 break
             self.waiting.remove(req)
             self.running.append(req)
@@ -117,9 +118,22 @@ class Scheduler:
             chosen[req.request_id] = (req, n, hit.num_tokens, ())
             budget -= n
             self._track_peak(req)
-        seqs = [ScheduledSeq(r, n, c, tuple(self.kv.block_ids(r.request_id)), d) for r, n, c, d in chosen.values()]
+        seqs = [ScheduledSeq(r, n, c, self.kv.block_tables(r.request_id), d) for r, n, c, d in chosen.values()]
         self.num_partial_prefills += sum(not s.samples for s in seqs)
         return SchedulerOutput(tuple(seqs))
+
+    def _allocate(self, req: Request, num_computed: int, n: int, num_drafts: int = 0,
+                  prefix: PrefixHit = NO_HIT) -> int | None:
+        """Blocks for `n` new tokens (and drafts) after `num_computed`: returns n, or None if they do not fit.
+
+        NOTE: with windowed layers a prefill chunk that does not fit is halved until it does: a windowed
+        group needs blocks for the window and the chunk at once, so a whole prompt may never fit at once
+        while the sequence, chunk by chunk, does (admission checks that)."""
+        while self.kv.allocate_slots(req.request_id, num_computed + n + num_drafts, prefix, num_computed) is None:
+            if not self.kv.has_windows or n == 1 or num_drafts:
+                return None
+            n = (n + 1) // 2
+        return n
 
     def _track_peak(self, req: Request) -> None:
         blocks = self.kv.num_request_blocks(req.request_id)
@@ -151,6 +165,7 @@ class Scheduler:
                 req.num_computed_tokens += (num_accepted or {}).get(req.request_id, 0)
                 self.kv.trim(req.request_id, req.num_computed_tokens)
             self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            self.kv.free_unseen(req.request_id, req.num_computed_tokens)  # NOTE: after caching: freed, still a prefix
             if req.num_computed_tokens >= req.num_prompt_tokens and req.request_id in self.held:
                 self.waiting.extendleft(reversed(self.held.pop(req.request_id)))
 
