@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator, Protocol
 
 from server.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from server.engine.sampling_params import SamplingParams, StructuredOutput
+from server.kv_forms import kv_curve
 from server.protocol import (AttentionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest, error_body)
 from server.tools import ToolCallParser, ToolChoice, assemble, call_schema
@@ -172,7 +173,16 @@ class OpenAIApi:
                          "num_kv_heads": info.num_kv_heads, "kv_bytes_per_token": info.kv_bytes_per_token,
                          "kv_cache_dtype": info.kv_cache_dtype, "quantization": info.quantization,
                          "weight_bytes": info.weight_bytes, "speculative": info.speculative,
-                         "cpu_path": info.cpu_path.as_dict()})
+                         "cpu_path": info.cpu_path.as_dict(),
+                         # NOTE: kv_bytes_per_token is a token of every layer; with sliding-window layers
+                         # (layer_windows: per layer a window or null, [] = every layer global) a
+                         # sequence costs less per token the longer it is: kv_bytes_per_token_at
+                         "layer_windows": list(info.layer_windows),
+                         "attention_variants": list(info.attention_variants),
+                         "block_size": info.block_size,
+                         "kv_block_bytes": info.kv_block_bytes or info.kv_bytes_per_token * info.block_size,
+                         "kv_bytes_per_token_at": kv_curve(info.kv_bytes_per_token, info.layer_windows,
+                                                           info.block_size)})
         return {"object": "list", "data": data}
 
     async def health(self) -> dict[str, bool]:
@@ -207,8 +217,12 @@ class OpenAIApi:
             result = await client.attention(call)
         except BaseException as e:
             raise _as_api_error(e) from None
+        # NOTE: weights come with windows and sinks applied: a key outside a layer's sliding window
+        # weighs 0, and with sinks a row sums to 1 minus the sink's share
+        windows = result.windows or (None,) * len(result.layers)
         return {"model": body.model, "tokens": list(result.tokens), "token_ids": list(result.token_ids),
-                "layers": [{"layer": i, "weights": w} for i, w in result.layers]}
+                "layers": [{"layer": i, "weights": w, "window": window, "sinks": result.sinks}
+                           for (i, w), window in zip(result.layers, windows)]}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         client = self._client(body.model)

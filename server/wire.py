@@ -130,6 +130,9 @@ class ModelInfo:
     quantization: str  # the weights as served: none, int8, int4_g32, int4_g128, or a GGUF's types (Q4_1+Q8_0)
     weight_bytes: int  # bytes the weights take as served (with kv_cache_memory auto: memory_budget - this = KV pool)
     speculative: str | None = None  # speculative decoding's method (ngram, draft_model), None when off
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None = global; () = all global
+    kv_block_bytes: int = 0  # bytes of one pool block (one KV group's layers): kv_bytes_per_token x block_size without windows
+    attention_variants: tuple[str, ...] = ()  # ModelConfig.attention_variants: sliding_window, qk_norm, ...
 
 
 # ---- replica <-> engine process ------------------------------------------------------------------
@@ -187,11 +190,15 @@ class ComputeAttention:
 
 @dataclass(frozen=True)
 class AttentionWeights:
-    """Engine -> replica: per layer (index, float32 array heads x T x T), or why not."""
+    """Engine -> replica: per layer (index, float32 array heads x T x T), or why not. `windows`:
+    per entry of `layers`, its sliding window (None: global); `sinks`: the model's layers have
+    learned sinks (a row then sums to 1 minus the sink's share)."""
 
     request_id: str
     layers: tuple[tuple[int, Any], ...] = ()
     error: str | None = None
+    windows: tuple[int | None, ...] = ()  # () from an older engine: every layer global
+    sinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -240,11 +247,14 @@ class AttentionCall:
 
 @dataclass(frozen=True)
 class AttentionMap:
-    """Per chosen layer, heads x query x key weights (nested lists), and the prompt's tokens."""
+    """Per chosen layer, heads x query x key weights (nested lists), and the prompt's tokens;
+    per chosen layer its sliding window (None: global), and whether the layers have sinks."""
 
     tokens: tuple[str, ...]
     token_ids: tuple[int, ...]
     layers: tuple[tuple[int, list], ...]
+    windows: tuple[int | None, ...] = ()  # () from an older replica: every layer global
+    sinks: bool = False
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,8 @@ class ModelWorker:
         if answer.error is not None:
             raise InvalidRequestError(answer.error, "layers")
         tokens = tuple(self._token_str(t)[0] for t in ids)
-        return AttentionMap(tokens, tuple(ids), tuple((i, w.tolist()) for i, w in answer.layers))
+        return AttentionMap(tokens, tuple(ids), tuple((i, w.tolist()) for i, w in answer.layers),
+                            windows=answer.windows, sinks=answer.sinks)
 
     def _chunk(self, out: RequestOutput) -> Chunk:
         s = out.stats

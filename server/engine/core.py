@@ -108,7 +108,9 @@ class EngineCore:
             weights = attention_weights(self.engine.model, command.token_ids, command.layers)
         except ValueError as e:
             return AttentionWeights(command.request_id, error=str(e))
-        return AttentionWeights(command.request_id, tuple((i, w.numpy()) for i, w in weights.items()))
+        config = self.engine.model.config  # weights come with windows and sinks applied: say which
+        return AttentionWeights(command.request_id, tuple((i, w.numpy()) for i, w in weights.items()),
+                                windows=tuple(config.window(i) for i in weights), sinks=config.attn_sinks)
 
     def _inject_step_failures(self, count: int) -> None:
         """Chaos testing: the next `count` model steps raise, as a real failure would."""
