@@ -3,8 +3,12 @@
     python loadtests/sweep_length.py --out loadtests/out/sweep        # starts `attnserve serve` itself
 
 For prompt lengths 64 ... 4096 tokens it measures time to first token, inter-token latency and the
-request's KV-cache bytes (from `usage.kv_cache_bytes`), fits log-log slopes and plots them; and it
-measures the peak memory of naive attention (the written-out softmax(QK^T/sqrt(d) + M)V, which
+request's KV-cache bytes (from `usage.kv_cache_bytes`, the most the request held), fits log-log slopes and
+plots them. Next to each it puts what the model's KV costs at that length by its shape
+(`kv_bytes_at_length`, from /v1/models' kv_bytes_per_token, layer_windows and block_size through
+server/kv_forms.kv_bytes_at): with sliding-window layers bytes per token fall past the window, and the
+request's peak can exceed it (a prompt computed in one step holds every layer's blocks until the step
+ends). And it measures the peak memory of naive attention (the written-out softmax(QK^T/sqrt(d) + M)V, which
 materialises L x L scores) against SDPA's flash kernel, each point in its own subprocess.
 """
 from __future__ import annotations
@@ -26,6 +30,7 @@ import numpy as np  # noqa: E402
 
 from loadtests.run_loadtest import DEFAULT_SERVE  # noqa: E402
 from loadtests.servers import ROOT, attnserve_cmd, free_port, running  # noqa: E402
+from server.kv_forms import kv_bytes_at  # noqa: E402
 
 MEMORY_PROBE = """
 import resource, sys, torch
@@ -75,6 +80,12 @@ def measure(url: str, model: str, ids: list[int], max_tokens: int, salt: int) ->
             "kv_cache_bytes": usage["kv_cache_bytes"], "tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
 
 
+def model_kv_bytes(info: dict, n: int) -> int:
+    """KV bytes one sequence of n tokens holds in the model's pool, from its /v1/models entry (every layer
+    global and 16-token blocks where an older server does not say)."""
+    return kv_bytes_at(info["kv_bytes_per_token"], info.get("layer_windows") or (), info.get("block_size", 16), n)
+
+
 def attention_memory(lengths: list[int]) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {"naive": [], "sdpa": []}
     for impl in out:
@@ -103,7 +114,10 @@ def plot(results: dict, memory: dict, mem_lengths: list[int], out: Path) -> Path
         for model, rows in results.items():
             xs = [r["length"] for r in rows]
             ys = [r[key] for r in rows]
-            ax.loglog(xs, ys, "o-", label=f"{model} (slope {slope(xs, ys):.2f})")
+            line, = ax.loglog(xs, ys, "o-", label=f"{model} (slope {slope(xs, ys):.2f})")
+            if key == "kv_cache_bytes":  # what the model's shape says a sequence of that length holds
+                ax.loglog(xs, [r["kv_bytes_at_length"] for r in rows], "--", color=line.get_color(), alpha=0.6,
+                          label=f"{model}: kv_bytes_at(length)")
         ax.set_xlabel("prompt tokens")
         ax.set_title(title)
         ax.legend(fontsize=8)
@@ -146,12 +160,15 @@ def main(argv: list[str] | None = None) -> dict:
             served = {m: DEFAULT_SERVE.get(m, m) for m in models}
             url = stack.enter_context(running(attnserve_cmd(served, port, args.serve_args.split()),
                                               f"http://127.0.0.1:{port}", out / "server.log"))
+        infos = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=60).json()["data"]}
         for model in models:
             ids_all = prompt_ids(url, model, max(lengths))
             measure(url, model, ids_all[:32], 4, salt=0)  # warm-up
             for n in lengths:
                 runs = [measure(url, model, ids_all[:n], args.max_tokens, salt=next(salts)) for _ in range(args.repeats)]
-                row = {"length": n, "kv_cache_bytes": runs[0]["kv_cache_bytes"], "tokens": runs[0]["tokens"]}
+                row = {"length": n, "kv_cache_bytes": runs[0]["kv_cache_bytes"], "tokens": runs[0]["tokens"],
+                       "kv_bytes_at_length": model_kv_bytes(infos[model], n)}
+                row["kv_bytes_per_token_at_length"] = row["kv_bytes_at_length"] / n
                 for key in ("ttft_s", "itl_s"):
                     row[key] = statistics.median(r[key] for r in runs)
                 results.setdefault(model, []).append(row)
@@ -167,10 +184,11 @@ def main(argv: list[str] | None = None) -> dict:
     fits["attention_memory"] = {impl: slope(mem_lengths, ys) for impl, ys in memory.items()}
     report = {"results": results, "attention_memory": {"lengths": mem_lengths, **memory}, "fits": fits,
               "plot": str(plot(results, memory, mem_lengths, out))}
-    print(f"\n{'model':<10}{'length':>8}{'KV bytes':>14}{'TTFT s':>9}{'ITL s':>9}")
+    print(f"\n{'model':<10}{'length':>8}{'KV bytes':>14}{'model KV':>14}{'B/token':>10}{'TTFT s':>9}{'ITL s':>9}")
     for m, rows in results.items():
         for r in rows:
-            print(f"{m:<10}{r['length']:>8}{r['kv_cache_bytes']:>14}{r['ttft_s']:>9.3f}{r['itl_s'] or 0:>9.4f}")
+            print(f"{m:<10}{r['length']:>8}{r['kv_cache_bytes']:>14}{r['kv_bytes_at_length']:>14}"
+                  f"{r['kv_bytes_per_token_at_length']:>10.0f}{r['ttft_s']:>9.3f}{r['itl_s'] or 0:>9.4f}")
     print("\nlog-log slopes:", json.dumps(fits, indent=1))
     if len(models) > 1:
         ref = models[0]

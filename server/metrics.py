@@ -18,7 +18,7 @@ from typing import Any, Iterable
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from server.kv_forms import kv_forms
+from server.kv_forms import KV_CURVE_LENGTHS, curve_lengths, kv_bytes_at, kv_bytes_per_token_at, kv_forms
 from server.wire import EngineStats, ModelInfo, RequestStats
 
 PREFIX = "attnserve"
@@ -188,7 +188,7 @@ class MetricsRecorder:
             reasons, errors, recent = dict(self.finish_reasons), dict(self.errors), list(self.recent)
             structured = dict(self.structured)
             spec = {"drafted": list(self.spec_drafted), "accepted": list(self.spec_accepted)}
-        bytes_per_block = info.kv_bytes_per_token * info.block_size
+        bytes_per_block = block_bytes(info.kv_bytes_per_token, info.block_size, info.kv_block_bytes)
         return {
             "labels": self.labels,
             "time": time.time(),
@@ -210,12 +210,25 @@ class MetricsRecorder:
                 "resident_memory_bytes": resident_memory_bytes() + e.resident_memory_bytes,
             },
             "static": {"kv_bytes_per_token": info.kv_bytes_per_token, "block_size": info.block_size,
+                       "kv_block_bytes": bytes_per_block, "layer_windows": list(info.layer_windows),
+                       "attention_variants": list(info.attention_variants),
                        "num_heads": info.num_heads, "num_blocks": info.num_blocks,
                        "max_model_len": info.max_model_len, "quantization": info.quantization,
                        "weight_bytes": info.weight_bytes, "speculative": info.speculative},
             "histograms": hist,
             "recent": recent,
         }
+
+
+def block_bytes(kv_bytes_per_token: int, block_size: int, kv_block_bytes: int = 0) -> int:
+    """Bytes of one pool block: `kv_block_bytes` where known (with sliding-window layers a block id is
+    one group's layers, fewer than all), else a block of every layer."""
+    return kv_block_bytes or kv_bytes_per_token * block_size
+
+
+def _static_block_bytes(static: dict) -> int:
+    """block_bytes of a snapshot's static facts (older snapshots lack kv_block_bytes: no windows then)."""
+    return block_bytes(static["kv_bytes_per_token"], static["block_size"], static.get("kv_block_bytes", 0))
 
 
 def resident_memory_bytes() -> int:
@@ -266,6 +279,12 @@ class _SnapshotCollector:
                                           labels=labels + ["state"]),
             "kv_bytes_per_token": GaugeMetricFamily(f"{PREFIX}_kv_bytes_per_token",
                                                     "2 x layers x kv_heads x head_dim x KV dtype bytes", labels=labels),
+            # NOTE: with sliding-window layers per-token bytes fall with length (a windowed layer keeps
+            # at most its window + one block); without, this equals kv_bytes_per_token at every length
+            "kv_bytes_per_token_at_length": GaugeMetricFamily(
+                f"{PREFIX}_kv_bytes_per_token_at_length",
+                "KV bytes the pool holds for one sequence of `tokens` tokens, per token (block granular)",
+                labels=labels + ["tokens"]),
             "kv_cache_usage_ratio": GaugeMetricFamily(f"{PREFIX}_kv_cache_usage_ratio", "Used / total KV blocks",
                                                       labels=labels),
             "requests_running": GaugeMetricFamily(f"{PREFIX}_requests_running", "Requests being decoded or prefilled",
@@ -302,6 +321,9 @@ class _SnapshotCollector:
             for state, k in (("capacity", "kv_bytes_total"), ("used", "kv_bytes_used")):
                 g["kv_bytes"].add_metric(lv + [state], gs(k))
             g["kv_bytes_per_token"].add_metric(lv, max(s["static"]["kv_bytes_per_token"] for s in snaps))
+            static = _newest_static(snaps)
+            for n in KV_CURVE_LENGTHS:
+                g["kv_bytes_per_token_at_length"].add_metric(lv + [str(n)], _per_token_at(static, n))
             total = gs("kv_blocks_total")
             g["kv_cache_usage_ratio"].add_metric(lv, gs("kv_blocks_used") / total if total else 0.0)
             g["requests_running"].add_metric(lv, gs("requests_running"))
@@ -373,12 +395,33 @@ def _weights(snaps: list[dict]) -> tuple[str, int] | None:
     return (str(statics[-1]["quantization"]), int(statics[-1]["weight_bytes"])) if statics else None
 
 
+def _newest_static(snaps: list[dict]) -> dict:
+    return max(snaps, key=lambda s: s["time"])["static"]
+
+
+def _windows(static: dict) -> tuple[int | None, ...]:
+    return tuple(static.get("layer_windows") or ())  # older snapshots: every layer global
+
+
+def _per_token_at(static: dict, num_tokens: int) -> float:
+    return kv_bytes_per_token_at(static["kv_bytes_per_token"], _windows(static), static["block_size"], num_tokens)
+
+
+def _curve(static: dict) -> list[list[int]]:
+    """[[tokens, KV bytes of one sequence of that many tokens], ...] from one block to 32k tokens (or
+    the context, if longer): the dashboard's bytes-per-token lines and its capacity chart."""
+    hi = max(KV_CURVE_LENGTHS[-1], static["max_model_len"])
+    return [[n, kv_bytes_at(static["kv_bytes_per_token"], _windows(static), static["block_size"], n)]
+            for n in curve_lengths(static["block_size"], hi)]
+
+
 def _forms(static: dict, kv_heads: int) -> list[dict]:
     """MHA / GQA / MQA what-if rows for one replica's pool (older snapshots lack the head count)."""
     if not static.get("num_heads") or not static.get("num_blocks"):
         return []
-    pool = static["num_blocks"] * static["block_size"] * static["kv_bytes_per_token"]
-    return kv_forms(static["num_heads"], kv_heads, static["kv_bytes_per_token"], pool, static["block_size"])
+    pool = static["num_blocks"] * _static_block_bytes(static)
+    return kv_forms(static["num_heads"], kv_heads, static["kv_bytes_per_token"], pool, static["block_size"],
+                    layer_windows=_windows(static))
 
 
 def _replicas_by_node(live: list[dict]) -> dict[str, list[str]]:
@@ -403,6 +446,10 @@ def dashboard_data(snapshots: list[dict], now: float | None = None) -> dict[str,
             "model": model, "attention": attention, "kv_heads": int(kv_heads), "kv_cache_dtype": kv_cache_dtype,
             "kv_bytes_per_token": static["kv_bytes_per_token"], "block_size": static["block_size"],
             "max_model_len": static["max_model_len"],
+            "layer_windows": list(_windows(static)), "kv_block_bytes": _static_block_bytes(static),
+            "attention_variants": static.get("attention_variants", []),
+            "kv_bytes_per_token_at": {str(n): _per_token_at(static, n) for n in KV_CURVE_LENGTHS},
+            "kv_curve": _curve(static),
             "quantization": weights[0], "weight_bytes": weights[1],
             "kv_blocks_total": sum(s["gauges"]["kv_blocks_total"] for s in live),
             "kv_blocks_used": sum(s["gauges"]["kv_blocks_used"] for s in live),
