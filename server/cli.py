@@ -89,13 +89,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-EVAL_KEYS = ("model", "attention", "kv_heads", "kv_cache_dtype", "kv_bytes_per_token", "quantization", "weight_bytes",
-             "perplexity")
+# NOTE: kv_bytes_per_token is a token of every layer; kv_bytes_per_token_at per token of a sequence of 1k / 8k / 32k
+# tokens in 16-token blocks (server/kv_forms.py), less than that with sliding-window layers
+EVAL_KEYS = ("model", "attention", "kv_heads", "kv_cache_dtype", "kv_bytes_per_token", "kv_bytes_per_token_at",
+             "quantization", "weight_bytes", "perplexity")
 
 
 def _eval(args: argparse.Namespace) -> int:
     """Perplexity against KV bytes per token and weight bytes, one row per model (e.g. a model's MHA / GQA /
-    MQA forms) and weight quantization."""
+    MQA forms) and weight quantization. Per model the window is capped at its max_position_embeddings and
+    the stride at the window - 1 (models.perplexity.window_and_stride), so every token but the first is
+    scored exactly once, each with at least one token of context."""
     import json
 
     import torch
@@ -105,10 +109,16 @@ def _eval(args: argparse.Namespace) -> int:
     from kvcache.storage import KVCacheSpec, PagedKVCache
     from models.corpus import HELD_OUT_PLAY, held_out_text
     from models.loader import load_for_serving, load_tokenizer
-    from models.perplexity import perplexity
+    from models.perplexity import perplexity, window_and_stride
     from models.registry import resolve_model
     from server import eval_results
+    from server.kv_forms import KV_CURVE_LENGTHS
 
+    try:
+        window_and_stride(args.window, args.stride)
+    except ValueError as e:
+        print(f"{APP_NAME} eval: error: {e}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     text = open(args.text, encoding="utf-8").read() if args.text else held_out_text()
@@ -121,27 +131,39 @@ def _eval(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(path)
         ids = tokenizer(text)["input_ids"]
         kv_dtype = kv_cache_dtype(args.kv_cache_dtype, model.dtype)
-        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        spec = KVCacheSpec.of(cfg, kv_dtype)  # with the model's sliding windows
         # NOTE: each window is one prompt through a pool of the serving dtype and kernel, so an
         # 8-bit cache's rounding is in the score
-        num_blocks = -(-min(args.window, cfg.max_position_embeddings) // spec.block_size)
+        try:
+            window, stride = window_and_stride(args.window, args.stride, cfg.max_position_embeddings)
+        except ValueError as e:
+            print(f"{APP_NAME} eval: error: {name}: {e}", file=sys.stderr)
+            return 2
+        if (window, stride) != (args.window, args.stride):
+            print(f"{name}: window {window}, stride {stride} (the model has {cfg.max_position_embeddings} "
+                  "positions; the stride stays below the window)", file=sys.stderr, flush=True)
+        num_blocks = -(-window // spec.block_size)
         cache = PagedKVCache(spec, num_blocks, model.device, scales_for(model, kv_dtype, tokenizer))
-        ppl = perplexity(model, ids, args.window, args.stride, lambda n: PagedAttention.one_sequence(cache, n))
+        ppl = perplexity(model, ids, window, stride, lambda n: PagedAttention.one_sequence(cache, n))
         # NOTE: the row carries the weights' format as loaded (model.quantization: e.g. auto -> a GGUF's types)
         rows.append({"model": name, "attention": cfg.attention_kind, "kv_heads": cfg.num_kv_heads,
                      "kv_cache_dtype": dtype_name(kv_dtype), "kv_bytes_per_token": spec.bytes_per_token,
+                     "kv_bytes_per_token_at": {str(n): spec.bytes_for(n) / n for n in KV_CURVE_LENGTHS},
                      "quantization": model.quantization, "weight_bytes": model.weight_bytes(), "perplexity": ppl})
         print(f"{name} ({model.quantization}): {len(ids)} tokens, perplexity {rows[-1]['perplexity']:.4f}",
               file=sys.stderr, flush=True)
         compute_dtype = model.cpu_path.dtype
         del model, cache  # one model's weights at a time
     source = args.text or f"{HELD_OUT_PLAY} (held out)"
-    print(f"text: {source}; window {args.window}, stride {args.stride}, dtype {compute_dtype}")
-    print(f"{'model':40} {'attention':9} {'kv heads':>8} {'kv dtype':>9} {'kv B/token':>10} {'weights':>12} "
-          f"{'weight bytes':>13} {'perplexity':>11}")
+    print(f"text: {source}; window {args.window}, stride {args.stride} (at most the model's positions, and the "
+          f"window - 1), dtype {compute_dtype}")
+    print(f"{'model':40} {'attention':9} {'kv heads':>8} {'kv dtype':>9} {'kv B/token':>10} {'at 8k':>9} "
+          f"{'at 32k':>9} {'weights':>12} {'weight bytes':>13} {'perplexity':>11}")
     for r in rows:
+        at = r["kv_bytes_per_token_at"]
         print(f"{r['model']:40} {r['attention']:9} {r['kv_heads']:8d} {r['kv_cache_dtype']:>9} "
-              f"{r['kv_bytes_per_token']:10d} {r['quantization']:>12} {r['weight_bytes']:13d} {r['perplexity']:11.4f}")
+              f"{r['kv_bytes_per_token']:10d} {at['8192']:9.0f} {at['32768']:9.0f} {r['quantization']:>12} "
+              f"{r['weight_bytes']:13d} {r['perplexity']:11.4f}")
     rows = [{k: r[k] for k in EVAL_KEYS} for r in rows]
     print(f"rows kept for the dashboard in {eval_results.save(rows)}")
     if args.json:
@@ -371,8 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dtype_arg(ev)
     _add_kv_dtype_arg(ev)
     _add_quantization_arg(ev, several=True)
-    ev.add_argument("--window", type=int, default=1024, help="tokens per window")
-    ev.add_argument("--stride", type=int, default=512, help="tokens between window starts")
+    ev.add_argument("--window", type=int, default=1024,
+                    help="tokens per window (at least 2; capped at the model's max_position_embeddings)")
+    ev.add_argument("--stride", type=int, default=512,
+                    help="tokens between window starts: each window scores the tokens past the previous one's "
+                         "end, with the rest as context (capped at the window - 1, so every token but the first "
+                         "is scored once, with at least one token of context)")
     ev.add_argument("--threads", type=int, help="torch threads")
     ev.add_argument("--json", help="write the rows here: model, attention, kv_heads, kv_cache_dtype, "
                                    "kv_bytes_per_token, quantization, weight_bytes, perplexity")
