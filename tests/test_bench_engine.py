@@ -83,3 +83,22 @@ def test_bench_speculative_quick_run(tiny_checkpoints, tmp_path, capsys):
     assert draft["drafted"] > 0 and draft["accepted"] == draft["drafted"]
     table = capsys.readouterr().out
     assert "| workload | batch | system | tok/s" in table and "skipped:" in table and "attnserve_draft" in table
+
+
+def test_bench_window_quick_run(tiny_checkpoints, tmp_path, capsys):
+    """The sliding-window benchmark: the same model with and without windows; the KV one sequence
+    holds, read off the pool, shrinks with the windowed layers."""
+    from loadtests.bench_window import main as bench_window
+
+    out = tmp_path / "window.json"
+    bench_window(["--model", str(tiny_checkpoints["llama"]), "--dtype", "float32", "--window", "24",
+                  "--batch-sizes", "1,2", "--repeats", "1", "--step-tokens", "4", "--max-num-batched-tokens", "128",
+                  "--kv-cache-memory", "64MiB", "--json", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["global", "window", "alternate"]
+    kv = {form: r["kv_bytes_per_seq"] for form, r in results.items()}
+    assert kv["window"] < kv["alternate"] < kv["global"]
+    for r in results.values():
+        assert min(r["step_ms"].values()) > 0 and r["prefill_s"] > 0 and r["length"] == 96
+    table = capsys.readouterr().out
+    assert "window 24, sequences of 96 tokens" in table and "alternate" in table
