@@ -114,6 +114,15 @@ def test_engine_prefix_hits_past_the_window(arch, oracle):
     assert engine.scheduler.num_prefix_hits - before >= 4 * 3 * WINDOW  # every later prompt hit its prefix
 
 
+@pytest.mark.parametrize("arch", VARIANT_ARCHS)
+def test_bfloat16_batched_near_ties_only(arch, variant_checkpoints):
+    """bf16 against HF in bf16: equal tokens up to a first difference that is a near-tie for both."""
+    model, tok, expected = tiny_oracle(variant_checkpoints, NUM_TOKENS)(arch, "bfloat16")
+    engine = make_engine(model, tok, dtype="bfloat16")
+    run_and_check(engine, [corpus_ids(tok, n, start=3 * n) for n in PROMPT_LENGTHS] + mixed_prompts(tok, 8, seed=9),
+                  expected)
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "qwen3", "mistral-window"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_step(arch, dtype, variant_checkpoints):
