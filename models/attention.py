@@ -26,7 +26,8 @@ class AttentionVariant:
     Learned sinks are weights, so the layer passes them beside this (`sinks`, one logit per head).
     """
 
-    scale: float  # softmax scale: 1/sqrt(head_dim), or the model's own (Gemma's query_pre_attn_scalar^-1/2, Granite's multiplier)
+    # softmax scale: 1/sqrt(head_dim), or the model's own (Gemma's query_pre_attn_scalar^-1/2, Granite's multiplier)
+    scale: float
     window: int | None = None  # sliding window: query at position i sees keys j with i - window < j <= i
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2)
 

@@ -73,7 +73,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Attention variants (docs/attention.md): all off is plain Llama attention
     layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window in tokens, None = global; () = all global
-    qk_norm: Literal["none", "head", "all"] = "none"  # RMSNorm of q and k before RoPE: per head (Qwen3, Gemma 3) or over all heads (OLMo 2)
+    # RMSNorm of q and k before RoPE: per head (Qwen3, Gemma 3) or over all heads at once (OLMo 2)
+    qk_norm: Literal["none", "head", "all"] = "none"
     attn_softcap: float | None = None  # scores -> c * tanh(scores / c) (Gemma 2)
     final_softcap: float | None = None  # the same on the LM head's logits (Gemma 2)
     attn_scale: float | None = None  # softmax scale instead of 1/sqrt(head_dim): query pre-scale (Gemma, Granite)

@@ -86,7 +86,8 @@ def convert(src: str | Path, num_kv_heads: int, out_dir: str | Path, dtype: torc
     src = Path(src)
     ckpt = read_checkpoint(src)
     if ckpt.config.get("model_type") == "gpt2":
-        raise ValueError("gpt2 has no kv-head setting in transformers; convert llama, mistral, qwen2, qwen3, gemma2, gemma3_text or gpt_bigcode")
+        raise ValueError("gpt2 has no kv-head setting in transformers; convert llama, mistral, qwen2, qwen3, "
+                         "gemma2, gemma3_text or gpt_bigcode")
     converted = convert_kv_heads(ckpt, num_kv_heads, progress)
     tokenizer = load_tokenizer(src) if src.suffix == ".gguf" else None
     return write_checkpoint(converted, out_dir, tokenizer=tokenizer, dtype=dtype)

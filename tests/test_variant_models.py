@@ -222,3 +222,28 @@ def test_a_sequence_longer_than_the_pool_on_an_all_windowed_model(oracle):
     validate_request(engine.info, prompt, GREEDY)  # not refused: 7 blocks at most
     run_and_check(engine, [prompt], expected)
     assert engine.scheduler.num_partial_prefills > 0 and engine.scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3_text", "mistral-window"])
+def test_kv_head_expansion_keeps_the_outputs(arch, variant_checkpoints, tmp_path):
+    """`attnserve convert --kv-heads 4` (GQA 4/2 -> MHA) on a model type with variants: the same logits;
+    phi3 (k and v fused with q) and olmo2 (k normalised over all heads) are refused."""
+    from models.kv_heads import convert
+
+    path = variant_checkpoints[arch]
+    mha = load_model(convert(path, 4, tmp_path / "mha", progress=False))
+    gqa = load_model(path)
+    assert (mha.config.num_kv_heads, gqa.config.num_kv_heads) == (4, 2)
+    ids = torch.arange(3 * WINDOW) % 300 + 5
+    with torch.no_grad():
+        a = gqa.compute_logits(gqa(ids, torch.arange(len(ids))))
+        b = mha.compute_logits(mha(ids, torch.arange(len(ids))))
+    assert (a - b).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["phi3", "olmo2"])
+def test_kv_head_conversion_refused_where_it_would_change_the_model(arch, variant_checkpoints, tmp_path):
+    from models.kv_heads import convert
+
+    with pytest.raises(ValueError, match=f"converting kv heads of {arch} is not supported"):
+        convert(variant_checkpoints[arch], 4, tmp_path / "out", progress=False)
