@@ -160,8 +160,3 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_size: int) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x bytes per element: every layer global."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
-
-    def kv_bytes(self, num_tokens: int, dtype_size: int) -> int:
-        """KV one sequence of `num_tokens` needs at least: a windowed layer keeps only its window."""
-        per_layer_token = 2 * self.num_kv_heads * self.head_dim * dtype_size
-        return sum(min(num_tokens, self.window(i) or num_tokens) for i in range(self.num_layers)) * per_layer_token
