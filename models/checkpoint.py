@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -30,6 +30,35 @@ class HFCheckpoint:
     source: Path | None = None
 
 
+class LazyTensors(Mapping):
+    """Tensors read from their file when looked up, each time: a tensor-parallel rank cuts its part
+    from one matrix at a time and never holds the whole model (models/weights.py)."""
+
+    def __init__(self, readers: dict[str, Callable[[], Any]]) -> None:
+        self.readers = readers
+
+    def __getitem__(self, name: str) -> Any:
+        return self.readers[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.readers)
+
+    def __len__(self) -> int:
+        return len(self.readers)
+
+
+def _lazy_safetensors(files: list[Path]) -> LazyTensors:
+    from functools import partial
+
+    from safetensors import safe_open
+
+    readers = {}
+    for f in files:
+        handle = safe_open(str(f), framework="pt")
+        readers.update({name: partial(handle.get_tensor, name) for name in handle.keys()})
+    return LazyTensors(readers)
+
+
 def _refuse_pickle(path: Path) -> None:
     raise UnsafeWeightsError(
         f"refusing to load pickle weights at {path}: pickle can run arbitrary code. "
@@ -49,16 +78,16 @@ def safetensors_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
-def read_checkpoint(path: str | Path, keep_quantized: bool = False) -> HFCheckpoint:
+def read_checkpoint(path: str | Path, keep_quantized: bool = False, lazy: bool = False) -> HFCheckpoint:
     """Load a checkpoint directory or a single .gguf file (its quantized matrices kept as codes
-    with `keep_quantized`, else dequantised to fp32)."""
+    with `keep_quantized`, else dequantised to fp32). `lazy`: tensors are read when looked up."""
     path = Path(path)
     if path.suffix in PICKLE_SUFFIXES:
         _refuse_pickle(path)
     if path.suffix == ".gguf":
         from models.gguf_file import read_gguf
 
-        return read_gguf(path, keep_quantized)
+        return read_gguf(path, keep_quantized, lazy)
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint directory or .gguf file at {path}")
     config_path = path / "config.json"
@@ -69,12 +98,12 @@ def read_checkpoint(path: str | Path, keep_quantized: bool = False) -> HFCheckpo
             _refuse_pickle(pickles[0])
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1 and not config_path.exists():
-            return read_checkpoint(ggufs[0], keep_quantized)
+            return read_checkpoint(ggufs[0], keep_quantized, lazy)
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     if not config_path.exists():
         raise FileNotFoundError(f"no config.json in {path}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
+    tensors: Mapping[str, torch.Tensor] = _lazy_safetensors(files) if lazy else {}
+    for f in files if not lazy else ():
         tensors.update(load_file(f))
     return HFCheckpoint(
         config=_read_json(config_path),

@@ -50,6 +50,8 @@ itself assumes when it runs the file):
 """
 from __future__ import annotations
 
+import functools
+
 import re
 from pathlib import Path
 from typing import Any
@@ -298,13 +300,14 @@ def _unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
     return torch.from_numpy(_unpermute(np.arange(num_rows), num_heads).copy())
 
 
-def read_gguf(path: Path, keep_quantized: bool = False) -> HFCheckpoint:
+def read_gguf(path: Path, keep_quantized: bool = False, lazy: bool = False) -> HFCheckpoint:
     """With `keep_quantized`, matrices of a type models/quant_formats.py reads stay quantized
-    (`QuantizedTensor`); everything else is dequantised to fp32."""
+    (`QuantizedTensor`); everything else is dequantised to fp32. `lazy`: each tensor is decoded
+    from the memory map when looked up (models.checkpoint.LazyTensors)."""
     import gguf
     from tqdm import tqdm
 
-    from models.quant_formats import SUPPORTED_GGUF_TYPES, from_gguf
+    from models.checkpoint import LazyTensors
 
     reader = gguf.GGUFReader(str(path))
     config = gguf_config(reader)
@@ -312,35 +315,42 @@ def read_gguf(path: Path, keep_quantized: bool = False) -> HFCheckpoint:
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError("GGUF files with rope_freqs (llama3 RoPE scaling) are not supported")
     names = {t.name for t in reader.tensors}
-    tensors: dict = {}
-    for t in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor", leave=False):
+    readers: dict = {}
+    for t in reader.tensors:
         if t.name in _ROPE_FACTORS:
             continue  # in the config's rope_parameters
         try:
             targets = _targets(t.name, arch, config, names)
         except ValueError as e:
             raise ValueError(f"{e} in {path}") from None
-        shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims innermost first
-        if keep_quantized and t.tensor_type in SUPPORTED_GGUF_TYPES and len(shape) == 2:
-            q = from_gguf(t.data, t.tensor_type, tuple(shape))
-            for name, rows, heads in targets:
-                index = torch.arange(shape[0]) if rows is None else torch.arange(shape[0])[rows]
-                if heads is not None:
-                    index = index[_unpermute_rows(len(index), heads)]
-                tensors[name] = q if rows is None and heads is None else q.select_rows(index)
-            continue
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        if arch in _GEMMA and t.name.endswith("norm.weight"):
-            w = w - np.float32(1)  # the converter stored HF's Gemma norm + 1
         for name, rows, heads in targets:
-            part = w if rows is None else w[rows]
-            if heads is not None:
-                part = _unpermute(part, heads)
-            tensors[name] = torch.tensor(part)  # copies out of the read-only memory map
+            readers[name] = functools.partial(_decode, t, arch, rows, heads, keep_quantized)
+    tensors = LazyTensors(readers) if lazy else {
+        name: read() for name, read in tqdm(readers.items(), desc=f"reading {path.name}", unit="tensor", leave=False)}
     # NOTE: the dtype `--dtype auto` starts from: a file of quantized or 16-bit matrices is a 16-bit model
     wide = any(t.tensor_type == gguf.GGMLQuantizationType.F32 and len(t.shape) == 2 for t in reader.tensors)
     config["dtype"] = "float32" if wide else "bfloat16"
     return HFCheckpoint(config=config, tensors=tensors, source=path)
+
+
+def _decode(t: Any, arch: str, rows: Any, heads: int | None, keep_quantized: bool) -> Any:
+    """One target of GGUF tensor `t`: its rows (a fused matrix's part), un-permuted for `heads`."""
+    import gguf
+
+    from models.quant_formats import SUPPORTED_GGUF_TYPES, from_gguf
+
+    shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims innermost first
+    if keep_quantized and t.tensor_type in SUPPORTED_GGUF_TYPES and len(shape) == 2:
+        data = t.data if rows is None else t.data[rows]  # NOTE: rows are whole runs of blocks: decode only them
+        q = from_gguf(data, t.tensor_type, (len(data), shape[1]) if rows is not None else tuple(shape))
+        return q if heads is None else q.select_rows(_unpermute_rows(q.shape[0], heads))
+    w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    if arch in _GEMMA and t.name.endswith("norm.weight"):
+        w = w - np.float32(1)  # the converter stored HF's Gemma norm + 1
+    part = w if rows is None else w[rows]
+    if heads is not None:
+        part = _unpermute(part, heads)
+    return torch.tensor(part)  # copies out of the read-only memory map
 
 
 def gguf_tokenizer(path: Path) -> Any:

@@ -27,15 +27,20 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                          quantization: str = "none") -> DecoderLM:
+                          quantization: str = "none", shard=None) -> DecoderLM:
     """`quantization`: int8 / int4 / int4_g128 quantize the decoder layers' linears (round to
     nearest); embeddings and the LM head stay unquantized. Matrices the checkpoint holds quantized
-    (a GGUF read with keep_quantized) stay so whatever it says."""
+    (a GGUF read with keep_quantized) stay so whatever it says. With a `shard` (models/parallel.py)
+    the model holds that rank's heads, features, vocabulary rows and layers only."""
+    from models.parallel import shard_config, split
     from models.quant_formats import QuantizedTensor, quantize_rtn
     from models.quant_linear import move_to_huge_pages
 
-    cfg = config_from_hf(ckpt.config, ckpt.generation_config)
-    tensors = hf_to_internal(cfg, dict(ckpt.tensors))
+    full = config_from_hf(ckpt.config, ckpt.generation_config)
+    cfg = full if shard is None else shard_config(full, shard)
+    tensors = hf_to_internal(full, ckpt.tensors, shard)
+    if cfg.tie_word_embeddings and "embed.weight" in tensors and "lm_head.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["embed.weight"]  # NOTE: one rank's rows of both: held once
     if quantization != "none":
         for name, t in tensors.items():
             if name.startswith("layers.") and name.endswith("_proj.weight") and not isinstance(t, QuantizedTensor):
@@ -43,7 +48,16 @@ def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32
     quantized = {k: tensors.pop(k) for k in list(tensors) if isinstance(tensors[k], QuantizedTensor)}
     state = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
     with _skeleton():
-        model = DecoderLM(cfg)
+        if shard is None:
+            model = DecoderLM(cfg)
+        else:
+            start, stop = split(cfg.vocab_size, shard.tp_size)[shard.tp_rank]
+            layers = shard.layers(cfg.num_layers)
+            model = DecoderLM(cfg, layers, stop - start)
+            # NOTE: a stage's layers keep their numbers in the whole model (windows, KV slots): its
+            # module list counts from 0
+            state = {_local_layer(k, layers.start): v for k, v in state.items()}
+            quantized = {_local_layer(k, layers.start): v for k, v in quantized.items()}
     for name, weight in quantized.items():
         _install_quantized(model, name.removesuffix(".weight"), weight, state, dtype, device)
     _share_tied_table(model, quantized, dtype)
@@ -53,12 +67,20 @@ def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32
     missing = [k for k in missing if k.removesuffix(".bias") + ".weight" not in quantized]
     if missing or unexpected:
         raise KeyError(f"state dict mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    if cfg.tie_word_embeddings and "embed.weight" not in quantized:
+    if cfg.tie_word_embeddings and "embed.weight" not in quantized and model.embed is not None and \
+            model.lm_head is not None:
         model.lm_head.weight = model.embed.weight
     # NOTE: a fused matrix's kind lists its parts' ("Q4_K+Q6_K"): each format named once
     model.quantization = "+".join(sorted({k for w in quantized.values() for k in w.kind.split("+")})) or "none"
     model.set_rope_frequencies(device)
     return model.eval().requires_grad_(False)
+
+
+def _local_layer(name: str, first: int) -> str:
+    if not name.startswith("layers."):
+        return name
+    _, i, rest = name.split(".", 2)
+    return f"layers.{int(i) - first}.{rest}"
 
 
 @contextmanager
@@ -121,6 +143,12 @@ def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, devic
     return model_from_checkpoint(read_checkpoint(path), parse_dtype(dtype), device)
 
 
+def read_model_config(path: str | Path):
+    """A checkpoint's ModelConfig, its tensors unread."""
+    ckpt = read_checkpoint(path, keep_quantized=True, lazy=True)
+    return config_from_hf(ckpt.config, ckpt.generation_config)
+
+
 def checkpoint_dtype(ckpt: HFCheckpoint) -> str:
     """The checkpoint's own dtype, which `--dtype auto` starts from: its config's, else its tensors'."""
     declared = str(ckpt.config.get("dtype") or ckpt.config.get("torch_dtype") or "auto").removeprefix("torch.")
@@ -138,10 +166,11 @@ def serving_dtype(path: str | Path, dtype: str = "auto", device: str = "cpu") ->
 
 
 def load_for_serving(path: str | Path, dtype: str = "auto", device: str = "cpu",
-                     quantization: str = "auto") -> DecoderLM:
+                     quantization: str = "auto", shard=None) -> DecoderLM:
     """A model ready to serve here: in the dtype its CPU path computes in, with that path's
     linears swapped in (`model.cpu_path` says which; models/cpu_path.py chooses) and its weights
-    quantized as asked (`model.quantization`, `model.weight_bytes()`)."""
+    quantized as asked (`model.quantization`, `model.weight_bytes()`). With a `shard`, that rank's
+    part, read tensor by tensor (its collectives are joined in by models.parallel.parallelize)."""
     from models.cpu_path import detect, prepare, resolve_dtype
 
     from models.cpu_path import QUANTIZATIONS
@@ -150,11 +179,11 @@ def load_for_serving(path: str | Path, dtype: str = "auto", device: str = "cpu",
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
     keep = quantization == "auto"  # NOTE: a GGUF as stored; a model converted from one reads that file again
-    ckpt = read_checkpoint((keep and stored_gguf(path)) or path, keep_quantized=keep)
+    ckpt = read_checkpoint((keep and stored_gguf(path)) or path, keep_quantized=keep, lazy=shard is not None)
     caps = detect(device)
     source = checkpoint_dtype(ckpt)
     model = model_from_checkpoint(ckpt, parse_dtype(resolve_dtype(caps, dtype, source, device)), device,
-                                  "none" if quantization in ("auto", "none") else quantization)
+                                  "none" if quantization in ("auto", "none") else quantization, shard)
     prepare(model, caps, dtype, source, device)
     del ckpt
     _release_freed_memory()

@@ -50,15 +50,21 @@ class DecoderLM(nn.Module):
     cache, so the same module serves dense reference runs and paged serving.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layers: range | None = None, vocab_rows: int | None = None) -> None:
+        """`layers`: a pipeline stage's run (the embedding only on the first stage, the final norm and
+        LM head only on the last); `vocab_rows`: a tensor-parallel rank's slice of the vocabulary."""
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if cfg.position == "learned" else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.final_norm = make_norm(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.layer_range = range(cfg.num_layers) if layers is None else layers
+        first, last = self.layer_range.start == 0, self.layer_range.stop == cfg.num_layers
+        rows = vocab_rows or cfg.vocab_size
+        self.embed = nn.Embedding(rows, cfg.hidden_size) if first else None
+        learned = cfg.position == "learned" and first
+        self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if learned else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in self.layer_range)
+        self.final_norm = make_norm(cfg) if last else nn.Identity()
+        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False) if last else None
+        if cfg.tie_word_embeddings and first and last:
             self.lm_head.weight = self.embed.weight
         self.other_ropes, self.rope_index = _rope_layout(cfg)
         self.register_buffer("inv_freq", None, persistent=False)
@@ -80,11 +86,17 @@ class DecoderLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return self._anchor().dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self._anchor().device
+
+    def _anchor(self) -> torch.Tensor:
+        """A weight in the model's dtype: the embedding's, or (a later pipeline stage) a norm's."""
+        if self.embed is not None:
+            return self.embed.weight
+        return next(p for p in self.parameters() if p.is_floating_point())
 
     def weight_bytes(self) -> int:
         """Bytes the weights take in memory as served (tied and shared tensors counted once)."""
@@ -96,21 +108,28 @@ class DecoderLM(nn.Module):
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(seen.values())
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn | None = None) -> torch.Tensor:
-        """input_ids, positions: (T,) -> final hidden states (T, hidden)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: (T,) -> final hidden states (T, hidden). A later pipeline stage takes
+        the previous stage's `hidden` (T, hidden) instead of embedding ids; an earlier one returns its
+        last layer's output, before the final norm."""
         if attention is None:
             attention = DenseAttention((input_ids.shape[0],))
         cfg = self.config
-        x = self.embed(input_ids)  # (T, C)
-        if cfg.embed_scale is not None:  # NOTE: rounded to the model's dtype first, as Gemma does
-            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        if hidden is not None:
+            x = hidden
+        else:
+            x = self.embed(input_ids)  # (T, C)
+            if cfg.embed_scale is not None:  # NOTE: rounded to the model's dtype first, as Gemma does
+                x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         tables: list = []
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
-        else:
+        elif cfg.position == "rope":
             extra = [] if self.layer_inv_freqs is None else list(self.layer_inv_freqs)
             tables = [rope_cos_sin(positions, f, x.dtype) for f in [self.inv_freq, *extra]]
-        for layer, k in zip(self.layers, self.rope_index or [None] * len(self.layers)):
+        rope_index = self.rope_index[self.layer_range.start:self.layer_range.stop] or [None] * len(self.layers)
+        for layer, k in zip(self.layers, rope_index):
             x = layer(x, None if k is None else tables[k], attention)
         return self.final_norm(x)
 

@@ -85,29 +85,84 @@ def _gpt2_layer(hf: dict[str, torch.Tensor], cfg: ModelConfig, i: int, out: dict
             out[f"{dst}{ours}.{kind}"] = t
 
 
-def hf_to_internal(cfg: ModelConfig, tensors: dict) -> dict:
-    """Rename/fuse HF tensors into DecoderLM's state dict; every tensor must be used exactly once."""
-    hf = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
-    out: dict[str, torch.Tensor] = {}
-    if cfg.architecture in LLAMA_FAMILY:
-        out["embed.weight"] = _pop(hf, "model.embed_tokens.weight")
+class _Remaining:
+    """The checkpoint's tensors not used yet, read only when popped (a lazy checkpoint reads each
+    from its file then: a rank's shard is cut from one matrix at a time)."""
+
+    def __init__(self, tensors) -> None:
+        self.tensors = tensors
+        self.names = {k for k in tensors if not k.endswith(_IGNORED_SUFFIXES)}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def pop(self, name: str, *default):
+        if name not in self.names:
+            if default:
+                return default[0]
+            raise KeyError(name)
+        self.names.remove(name)
+        return self.tensors[name]
+
+
+class _Kept(dict):
+    """The state dict being built; with a shard, each tensor is cut to the rank's part as it arrives
+    (so the whole fused matrix is dropped at once) and tensors the rank holds none of are left out."""
+
+    def __init__(self, cfg: ModelConfig, shard) -> None:
+        super().__init__()
+        self.cfg, self.shard = cfg, shard
+
+    def __setitem__(self, name: str, t) -> None:
+        if self.shard is not None:
+            from models.parallel import shard_tensor
+
+            t = shard_tensor(self.cfg, self.shard, name, t)
+        if t is not None:
+            super().__setitem__(name, t)
+
+
+def hf_to_internal(cfg: ModelConfig, tensors, shard=None) -> dict:
+    """Rename/fuse HF tensors into DecoderLM's state dict; every tensor must be used exactly once.
+
+    With a `shard` (models/parallel.py): that rank's parts only, the tensors of other pipeline
+    stages never read."""
+    hf = _Remaining(tensors)
+    out = _Kept(cfg, shard)
+    layers = range(cfg.num_layers) if shard is None else shard.layers(cfg.num_layers)
+    llama = cfg.architecture in LLAMA_FAMILY
+    table = "model.embed_tokens.weight" if llama else "transformer.wte.weight"
+    first, last = layers.start == 0, layers.stop == cfg.num_layers
+    if first or (last and cfg.tie_word_embeddings):
+        embed = _pop(hf, table)
+        out["embed.weight"] = embed
+        if cfg.tie_word_embeddings:
+            out["lm_head.weight"] = embed
+    if llama:
         out["final_norm.weight"] = _pop(hf, "model.norm.weight")
-        for i in range(cfg.num_layers):
+        for i in layers:
             _llama_layer(hf, cfg, i, out)
     else:
-        out["embed.weight"] = _pop(hf, "transformer.wte.weight")
         out["pos_embed.weight"] = _pop(hf, "transformer.wpe.weight")
         out["final_norm.weight"] = _pop(hf, "transformer.ln_f.weight")
         out["final_norm.bias"] = _pop(hf, "transformer.ln_f.bias")
-        for i in range(cfg.num_layers):
+        for i in layers:
             _gpt2_layer(hf, cfg, i, out)
-    lm_head = hf.pop("lm_head.weight", None)
-    if cfg.tie_word_embeddings:
-        out["lm_head.weight"] = out["embed.weight"]
-    elif lm_head is None:
-        raise KeyError("checkpoint is missing tensor 'lm_head.weight' and does not tie embeddings")
-    else:
+    lm_head = hf.pop("lm_head.weight", None) if last else None
+    if not cfg.tie_word_embeddings and last:
+        if lm_head is None:
+            raise KeyError("checkpoint is missing tensor 'lm_head.weight' and does not tie embeddings")
         out["lm_head.weight"] = lm_head
+    if shard is not None:  # NOTE: what other stages hold is theirs: unread here, not unused
+        prefix = ("model.layers." if llama else "transformer.h.")
+        hf.names = {k for k in hf.names if not (k.startswith(prefix) and int(k[len(prefix):].split(".")[0]) not in layers)
+                    and k not in (table, "lm_head.weight")}
     if hf:
         raise KeyError(f"checkpoint has tensors this architecture does not use: {sorted(hf)[:8]}")
-    return out
+    return dict(out)
