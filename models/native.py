@@ -30,6 +30,7 @@ SOURCES = {
     "panel_linear": ROOT / "models" / "csrc" / "linear.cpp",
     "quant_linear": ROOT / "models" / "csrc" / "quant_linear.cpp",
     "decoder": ROOT / "models" / "csrc" / "decoder.cpp",
+    "shm_comm": ROOT / "models" / "csrc" / "shm_comm.cpp",
 }
 FLAGS = ["-O3", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-DNDEBUG"]
 # x86-64-v3 is AVX2 + FMA + F16C + BMI; -v4 adds AVX-512 F/BW/CD/DQ/VL. The portable build has
