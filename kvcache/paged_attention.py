@@ -78,7 +78,7 @@ class PagedAttention:
         bs = cache.spec.block_size
         table = [list(range(-(-num_tokens // bs)))]
         meta = AttentionMetadata.build_groups([num_tokens], [0], [table] * len(cache.spec.groups), bs,
-                                              cache.k[0].device)
+                                              cache.tensors[0].device)
         return cls(cache, meta)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

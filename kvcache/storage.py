@@ -107,7 +107,8 @@ class PagedKVCache:
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu",
-                 scales: KVScales | None = None) -> None:
+                 scales: KVScales | None = None, layers: range | None = None) -> None:
+        """`layers`: a pipeline stage's, the only ones it holds K/V for (others are None)."""
         self.spec = spec
         self.num_blocks = num_blocks
         self.scales = scales or KVScales.ones(spec.num_layers)
@@ -117,14 +118,16 @@ class PagedKVCache:
         if len(self.scales.k) != spec.num_layers or len(self.scales.v) != spec.num_layers:
             raise ValueError("one K and one V scale per layer")
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.group_size)]
-        v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.group_size)]
+        held = range(spec.num_layers) if layers is None else layers
+        slots = {spec.layer_group[i][1] for i in held}
+        k = {s: torch.zeros(shape, dtype=spec.dtype, device=device) for s in sorted(slots)}
+        v = {s: torch.zeros(shape, dtype=spec.dtype, device=device) for s in sorted(slots)}
         # NOTE: per layer, its slot's tensor: layers of different groups share one (each block id
         # belongs to one group at a time, so they never write the same block)
-        self.k = [k[slot] for _, slot in spec.layer_group]
-        self.v = [v[slot] for _, slot in spec.layer_group]
+        self.k = [k[slot] if i in held else None for i, (_, slot) in enumerate(spec.layer_group)]
+        self.v = [v[slot] if i in held else None for i, (_, slot) in enumerate(spec.layer_group)]
+        self.tensors = list(k.values()) + list(v.values())
 
     @property
     def nbytes(self) -> int:
-        unique = {id(t): t for t in self.k + self.v}
-        return sum(t.nbytes for t in unique.values())
+        return sum(t.nbytes for t in self.tensors)

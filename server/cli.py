@@ -60,6 +60,8 @@ def _engine_config(args: argparse.Namespace, model: str = "default"):
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, num_threads=args.threads, enforce_eager=args.enforce_eager,
         max_waiting=getattr(args, "max_waiting", None), speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        worker_cpus=args.worker_cpus,
     )
 
 
@@ -346,7 +348,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step")
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"], help="max running sequences")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
-    p.add_argument("--threads", type=int, help="torch threads for model steps")
+    p.add_argument("--threads", type=int, help="torch threads for model steps (per worker when sharded)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d["tensor_parallel_size"],
+                   help="shard each layer's heads and features over this many Ray workers (one node)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d["pipeline_parallel_size"],
+                   help="split the layers into this many stages on Ray workers (spread over nodes)")
+    p.add_argument("--worker-cpus", type=float, default=d["worker_cpus"],
+                   help="Ray CPUs per worker when sharded (fractions fit a small machine; "
+                        "under serve: the replica's CPUs split among its workers)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the model eagerly: no torch.compile (faster start, slower steps)")
     p.add_argument("--speculative-config", metavar="JSON",

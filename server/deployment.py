@@ -282,13 +282,15 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
                                      "resources": dict(cfg.replica_resources)}
     if cfg.num_gpus:
         actor_options["num_gpus"] = cfg.num_gpus
+    # NOTE: a sharded model's replica holds no CPU itself: its workers hold the replica's share
+    replica_options = dict(actor_options, num_cpus=0) if cfg.engine.world_size > 1 else actor_options
     models, tokenize = {}, {}
     for name, source in cfg.models.items():
         scaling = ({"autoscaling_config": autoscaling_config(cfg.autoscaling)} if cfg.autoscaling
                    else {"num_replicas": cfg.replicas(name)})
         options = dict(name=_deployment_name(name), max_ongoing_requests=cfg.max_ongoing_requests,
-                       ray_actor_options=actor_options, graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-                       **scaling)
+                       ray_actor_options=replica_options, graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+                       **scaling, **worker_placement(cfg.engine_config(source, cpus), actor_options))
         # NOTE: routing by cache needs the prompt's tokens before a replica is chosen: an ingress
         if len(cfg.models) == 1 and not cfg.separate_ingress and not cfg.routes_by_cache(name):
             return ModelServer.options(**options).bind(name, cfg.engine_config(source, cpus), cfg.limits, cfg.api_key,
@@ -303,6 +305,20 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
     return OpenAIIngress.options(ray_actor_options=ingress_options,
                                  graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s).bind(
         models, cfg.limits, cfg.api_key, tokenize, cfg.ingress_resources)
+
+
+def worker_placement(engine: EngineConfig, actor_options: dict[str, Any]) -> dict[str, Any]:
+    """A sharded model's replica reserves its workers with itself, as Ray Serve LLM does: one bundle per
+    rank (server/engine/executor.py places rank i in bundle i), the replica's own actor in bundle 0 with no
+    CPU of its own (its engine process only schedules and samples). Serve counts, starts and stops the
+    whole group as one replica."""
+    if engine.world_size == 1:
+        return {}
+    from server.engine.executor import placement_strategy, worker_bundles
+
+    bundles = worker_bundles(engine)
+    bundles[0] = {**bundles[0], **actor_options.get("resources", {})}
+    return {"placement_group_bundles": bundles, "placement_group_strategy": placement_strategy(engine.pipeline_parallel_size)}
 
 
 def required_cpus(cfg: ServeConfig, cluster_cpus: float | None) -> float:

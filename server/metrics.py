@@ -9,6 +9,7 @@ rendered here, for Prometheus (`render_prometheus`) and for the built-in dashboa
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import os
 import threading
 import time
@@ -214,7 +215,10 @@ class MetricsRecorder:
                        "attention_variants": list(info.attention_variants),
                        "num_heads": info.num_heads, "num_blocks": info.num_blocks,
                        "max_model_len": info.max_model_len, "quantization": info.quantization,
-                       "weight_bytes": info.weight_bytes, "speculative": info.speculative},
+                       "weight_bytes": info.weight_bytes, "speculative": info.speculative,
+                       "tensor_parallel_size": info.tensor_parallel_size,
+                       "pipeline_parallel_size": info.pipeline_parallel_size},
+            "workers": [dataclasses.asdict(w) for w in info.workers],
             "histograms": hist,
             "recent": recent,
         }
@@ -457,6 +461,10 @@ def dashboard_data(snapshots: list[dict], now: float | None = None) -> dict[str,
             "replicas": len(live),
             # NOTE: replicas report a "replica" and "node" (Ray ids) next to their counts
             "replicas_by_node": _replicas_by_node(live),
+            # NOTE: a sharded model's replicas list their ranks (tensor x pipeline parallel workers)
+            "tensor_parallel_size": static.get("tensor_parallel_size", 1),
+            "pipeline_parallel_size": static.get("pipeline_parallel_size", 1),
+            "workers": [{**w, "replica": snap.get("replica", "?")} for snap in live for w in snap.get("workers", [])],
             "forms": _forms(static, int(kv_heads)),
             "speculative": static.get("speculative"),
             # NOTE: None until a request drafted: the page shows acceptance only where there is some

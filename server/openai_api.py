@@ -3,6 +3,8 @@ multiple prompts and samples, streaming (SSE) and usage. Transport-agnostic: the
 are Ray Serve handles in production and plain ModelWorkers in unit tests."""
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import json
 import time
@@ -182,7 +184,10 @@ class OpenAIApi:
                          "block_size": info.block_size,
                          "kv_block_bytes": info.kv_block_bytes or info.kv_bytes_per_token * info.block_size,
                          "kv_bytes_per_token_at": kv_curve(info.kv_bytes_per_token, info.layer_windows,
-                                                           info.block_size)})
+                                                           info.block_size),
+                         "tensor_parallel_size": info.tensor_parallel_size,
+                         "pipeline_parallel_size": info.pipeline_parallel_size,
+                         "workers": [dataclasses.asdict(w) for w in info.workers]})
         return {"object": "list", "data": data}
 
     async def health(self) -> dict[str, bool]:

@@ -79,9 +79,15 @@ class ServeConfig:
         return cls(**args)
 
     def engine_config(self, model: str, cpus: float = 1.0) -> EngineConfig:
-        """One model's engine on a replica of `cpus` CPUs."""
+        """One model's engine on a replica of `cpus` CPUs; a sharded model's workers split them evenly."""
+        device = "cuda" if self.num_gpus > 0 else "cpu"
+        world = self.engine.world_size
+        if world > 1:
+            worker_cpus = max(0.05, int(cpus / world * 20 + 1e-9) / 20)  # whole twentieths of a CPU
+            threads = self.engine.num_threads or max(1, round(worker_cpus))
+            return replace(self.engine, model=model, num_threads=threads, worker_cpus=worker_cpus, device=device)
         threads = self.engine.num_threads or max(1, round(cpus))
-        return replace(self.engine, model=model, num_threads=threads, device="cuda" if self.num_gpus > 0 else "cpu")
+        return replace(self.engine, model=model, num_threads=threads, device=device)
 
     def replicas(self, model: str) -> int:
         """Replicas a model starts with."""

@@ -114,6 +114,26 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class WorkerInfo:
+    """One rank of a tensor x pipeline parallel engine (server/engine/shard_worker.py), as the
+    dashboard and /v1/models show it."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    node_id: str  # Ray's (two nodes on one machine share an IP)
+    node_ip: str
+    pid: int
+    layers: tuple[int, int]  # [start, stop) of the model's layers
+    num_heads: int  # query heads this rank computes
+    num_kv_heads: int  # K/V heads it stores
+    weight_bytes: int
+    kv_bytes_per_block: int  # its share of one block id
+    num_threads: int
+    collectives: str  # how its stage's ranks all-reduce: shm (one node), gloo, nccl; none without tensor parallelism
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the replica and the API layer need to know of a served model (/v1/models, admission)."""
 
@@ -133,6 +153,9 @@ class ModelInfo:
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None = global; () = all global
     kv_block_bytes: int = 0  # bytes of one pool block (one KV group's layers): kv_bytes_per_token x block_size without windows
     attention_variants: tuple[str, ...] = ()  # ModelConfig.attention_variants: sliding_window, qk_norm, ...
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    workers: tuple[WorkerInfo, ...] = ()  # the ranks, when the model is sharded over several
 
 
 # ---- replica <-> engine process ------------------------------------------------------------------

@@ -176,7 +176,7 @@ def test_killed_engine_process_ends_every_open_stream(parts):
 
 def test_failed_step_fails_its_requests_and_engine_keeps_serving(parts):
     engine = make_engine(parts)
-    real = engine.runner.execute
+    real = engine.runner.submit
     calls = {"n": 0}
 
     def flaky(batch):
@@ -184,7 +184,7 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(parts):
         if calls["n"] == 2:
             raise RuntimeError("injected fault")
         return real(batch)
-    engine.runner.execute = flaky
+    engine.runner.submit = flaky
     engine.add_request("x", list(range(5, 15)), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     outs = engine.step() + engine.step()
     final = outs[-1]

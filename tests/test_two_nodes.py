@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -110,17 +111,32 @@ class Load(threading.Thread):
             t.join()
 
 
-@pytest.mark.slow
-def test_second_node_killed_under_load_then_rejoins(tiny_variants, tmp_path):
+@contextmanager
+def two_nodes(node_b_resources: dict):
+    """A head node and node B on this machine (1 CPU each); yields (GCS address, temp dir, node B's
+    `ray start` arguments); every process of the cluster is killed after."""
     temp_dir = tempfile.mkdtemp(prefix="attnserve-2n-", dir="/tmp")  # NOTE: every process of this cluster names it
-    gcs_port, http_port = free_port(), free_port()
-    address = f"127.0.0.1:{gcs_port}"
-    node_b = ["--address", address, "--resources", json.dumps({"replica_slot": 1, "node_b": 1})]
+    address = f"127.0.0.1:{free_port()}"
+    node_b = ["--address", address, "--resources", json.dumps(node_b_resources)]
     try:
-        ray_start("--head", "--include-dashboard", "false", "--port", str(gcs_port), "--temp-dir", temp_dir,
+        ray_start("--head", "--include-dashboard", "false", "--port", address.rsplit(":", 1)[1], "--temp-dir", temp_dir,
                   "--ray-client-server-port",
                   str(free_port()), "--resources", json.dumps({"replica_slot": 1, "head": 1}), *node_ports(0))
         ray_start(*node_b, *node_ports(1))
+        yield address, temp_dir, node_b
+    finally:
+        for pid in pids_with(temp_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_second_node_killed_under_load_then_rejoins(tiny_variants, tmp_path):
+    http_port = free_port()
+    with two_nodes({"replica_slot": 1, "node_b": 1}) as (address, temp_dir, node_b):
         cmd = [str(BIN / "attnserve"), "serve", "--address", address, "--port", str(http_port),
                "--proxy-location", "HeadOnly", "--model", f"tiny={tiny_variants['tiny-gqa']}", "--replicas", "2",
                "--num-cpus", "0.5", "--dtype", "float32", "--enforce-eager", "--kv-cache-memory", "4MiB",
@@ -163,10 +179,33 @@ def test_second_node_killed_under_load_then_rejoins(tiny_variants, tmp_path):
             # it logs first depends on when the GCS misses B's heartbeats)
             log = (tmp_path / "serve.log").read_text()
             assert "its node has died" in log or re.search(r"Replica\(id='\w+', deployment='model-tiny'.*\) crashed", log)
-    finally:
-        for pid in pids_with(temp_dir):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_on_two_nodes(tiny_variants, tmp_path):
+    """`attnserve serve --pipeline-parallel-size 2` on two Ray nodes: one stage on each (SPREAD),
+    hidden states sent between them, the unsharded model's greedy text."""
+    from server.engine import EngineConfig, LLMEngine, SamplingParams
+
+    path = tiny_variants["tiny-gqa"]
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", block_size=4, num_blocks=256,
+                                    kv_cache_memory=None, enforce_eager=True))
+    prompts = ["Beautiful is better than", "Errors should never pass", "Now is better than never"]
+    expected = [g[0].text for g in engine.generate([engine.tokenizer(p)["input_ids"] for p in prompts],
+                                                    SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))]
+    http_port = free_port()
+    with two_nodes({"node_b": 1}) as (address, _, _):
+        cmd = [str(BIN / "attnserve"), "serve", "--address", address, "--port", str(http_port),
+               "--proxy-location", "HeadOnly", "--model", f"tiny={path}", "--pipeline-parallel-size", "2",
+               "--num-cpus", "1", "--dtype", "float32", "--enforce-eager", "--num-blocks", "128"]
+        url = f"http://127.0.0.1:{http_port}"
+        with running(cmd, url, tmp_path / "serve.log", timeout=300):
+            (model,) = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+            stages = sorted(model["workers"], key=lambda w: w["pp_rank"])
+            assert model["pipeline_parallel_size"] == 2 and [w["pp_rank"] for w in stages] == [0, 1]
+            assert stages[0]["node_id"] != stages[1]["node_id"]  # one stage per node
+            assert stages[0]["layers"][1] == stages[1]["layers"][0]
+            for prompt, text in zip(prompts, expected):
+                r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == text

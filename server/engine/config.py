@@ -71,6 +71,13 @@ class EngineConfig:
     # speculative decoding (server/engine/spec_config.py): JSON text, a mapping or a SpeculativeConfig; None: off
     speculative_config: SpeculativeConfig | dict | str | None = None
     device: str = "cpu"
+    # a model larger than one worker (server/engine/executor.py): its layers' heads and features over
+    # tensor_parallel_size ranks, its layers over pipeline_parallel_size stages, each rank a Ray actor of
+    # worker_cpus CPUs (fractions fit a small machine) running num_threads threads (default round(worker_cpus));
+    # memory_budget / kv_cache_memory are then per rank
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    worker_cpus: float = 1.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -101,9 +108,24 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if self.worker_cpus <= 0:
+            raise ValueError("worker_cpus must be positive")
+        if self.world_size > 1 and self.kv_cache_dtype != "auto":
+            raise ValueError("an 8-bit KV cache (kv_cache_dtype) is not supported with tensor or pipeline "
+                             "parallelism: its scales are calibrated on the whole model")
         # NOTE: on CUDA, attention reads the pool with Flash's paged kernel, whose pages are 256 tokens
         if self.device.startswith("cuda") and self.block_size % CUDA_BLOCK_SIZE:
             raise ValueError(f"on CUDA block_size must be a multiple of {CUDA_BLOCK_SIZE} (Flash's paged KV kernel)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def worker_threads(self) -> int:
+        return self.num_threads or max(1, round(self.worker_cpus))
 
     def kv_budget(self, weight_bytes: int, weights_format: str | None = None) -> int:
         """The KV pool's bytes for a model whose weights take `weight_bytes` as served (in

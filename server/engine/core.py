@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
+from server.engine.executor import WorkerDiedError
 from server.wire import (AbortRequest, AddRequest, AttentionWeights, CachedBlocks, ComputeAttention, EngineReady,
                          InjectStepFailures, RequestOutput, SlowSteps, StepOutputs)
 
@@ -104,6 +105,9 @@ class EngineCore:
         """Between steps, on the engine's own model: one eager forward with the reference attention."""
         from models.attention_maps import attention_weights
 
+        if self.engine.model is None:
+            return AttentionWeights(command.request_id, error="attention maps are not available for a model "
+                                    "sharded over several workers (tensor or pipeline parallelism)")
         try:
             weights = attention_weights(self.engine.model, command.token_ids, command.layers)
         except ValueError as e:
@@ -114,21 +118,29 @@ class EngineCore:
 
     def _inject_step_failures(self, count: int) -> None:
         """Chaos testing: the next `count` model steps raise, as a real failure would."""
-        runner, real = self.engine.runner, self.engine.runner.execute
+        runner, real = self.engine.runner, self.engine.runner.submit
         remaining = [count]
 
         def failing(batch):
             if remaining[0] > 0:
                 remaining[0] -= 1
                 raise RuntimeError("injected model step failure")
-            runner.execute = real
+            runner.submit = real
             return real(batch)
-        runner.execute = failing
+        runner.submit = failing
 
     def _step(self) -> list[RequestOutput]:
         engine = self.engine
         try:
             return engine.step()
+        except WorkerDiedError as e:
+            # NOTE: a rank of a sharded model is gone: every request ends with the error, then this process
+            # exits, so that the replica's health check fails and Serve starts a whole new group
+            logger.error("%s: failing every request and exiting", e)
+            outputs = [replace(o, finish_reason="error", error=str(e))
+                       for rid in list(engine.groups) for o in engine.abort(rid)]
+            self.conn.send(StepOutputs(tuple(outputs), engine.stats()))
+            raise
         except Exception as e:  # a bug outside the model step: fail everyone, keep serving
             logger.exception("engine step crashed")
             message = f"{type(e).__name__}: {e}"
@@ -149,6 +161,8 @@ def main(argv: list[str]) -> int:
         EngineCore(engine, conn).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return 0  # the replica is gone
+    except WorkerDiedError:
+        return 1
     return 0
 
 

@@ -31,6 +31,19 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 900.0  # a cold start compiles the model step
 
 
+def ray_placement_env() -> dict[str, str]:
+    """For a sharded model's engine process: the Ray cluster this replica is in, and the placement group
+    Serve reserved for the replica's workers (server/engine/executor.py places them in it)."""
+    ray = sys.modules.get("ray")  # NOTE: never imported here: a replica outside Ray has none
+    if ray is None or not ray.is_initialized():
+        return {}
+    env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    group = ray.util.get_current_placement_group()
+    if group is not None:
+        env["ATTNSERVE_PLACEMENT_GROUP"] = group.id.hex()
+    return env
+
+
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, on_outputs: Callable[[StepOutputs], None] | None = None) -> None:
         self.config = config
@@ -38,6 +51,8 @@ class EngineCoreClient:
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         apply_isa_cap(env)  # NOTE: the engine process imports torch first thing: the cap must be in its env
+        if config.world_size > 1:
+            env.update(ray_placement_env())
         self.process = subprocess.Popen([sys.executable, "-m", "server.engine.core", str(theirs.fileno())],
                                         pass_fds=(theirs.fileno(),), env=env)
         theirs.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -14,19 +15,20 @@ from kvcache.manager import KVCacheManager
 from kvcache.quant import dtype_name, kv_cache_dtype, scales_for
 from kvcache.storage import KVCacheSpec, PagedKVCache
 from models.cpu_path import detect, prepare
-from models.loader import load_for_serving, load_tokenizer
+from models.loader import load_for_serving, load_tokenizer, parse_dtype, read_model_config
 from models.registry import resolve_model
 from models.transformer import DecoderLM
 from server.engine.admission import validate_request
 from server.engine.config import EngineConfig, format_size
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.errors import InvalidRequestError
+from server.engine.executor import WorkerDiedError
 from server.engine.grammar import GrammarCache, SequenceGrammar
-from server.engine.model_runner import ModelRunner
+from server.engine.model_runner import Batch, DistributedRunner, ModelRunner
 from server.engine.proposers import DraftModelProposer, NgramProposer, Proposer, check_vocabulary
 from server.engine.request import Request, RequestStatus
 from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import Scheduler
+from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.spec_gate import SpeculationGate
 from server.metrics import resident_memory_bytes
 from server.wire import EngineStats, ModelInfo, RequestOutput, TokenLogprob
@@ -52,58 +54,20 @@ class CompletionResult:
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: DecoderLM | None = None, tokenizer: Any = None) -> None:
         self.config = config
-        if model is None:
-            path = resolve_model(config.model)
-            model = load_for_serving(path, config.dtype, config.device, quantization=config.quantization)
-            tokenizer = tokenizer or load_tokenizer(path)
-        else:  # a model the caller loaded: its dtype is the one asked for
-            dtype = dtype_name(model.dtype)
-            prepare(model, detect(config.device), dtype, dtype, config.device)
-        self.cpu_path = model.cpu_path
-        # NOTE: one line says what this machine runs; at warning level when a slower choice was asked for
-        logger.log(logging.WARNING if self.cpu_path.note else logging.INFO, "attnserve engine: %s",
-                   self.cpu_path.describe())
-        self.model, self.tokenizer = model, tokenizer
-        self.spec = config.speculative_config
-        draft = self._load_draft() if self.spec is not None and self.spec.method == "draft_model" else None
-        cfg = model.config
-        self.model_config = cfg
-        self.max_model_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
-        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.dtype)
-        self.kv_spec = KVCacheSpec.of(cfg, kv_dtype, config.block_size)
-        # NOTE: weight_bytes is what the weights take as served (quantized, packed): with kv_cache_memory
-        # auto the pool is memory_budget minus that, so every byte quantization saves becomes KV blocks
-        self.weight_bytes = model.weight_bytes()
-        # NOTE: a draft model's weights and its KV (as many blocks as the target's, fewer bytes each) come
-        # out of the same budget
-        draft_bytes = draft.weight_bytes() if draft is not None else 0
-        draft_spec = DraftModelProposer.kv_spec(draft, config.block_size) if draft is not None else None
-        draft_block = draft_spec.bytes_per_block if draft_spec is not None else 0
-        if config.num_blocks:
-            num_blocks = config.num_blocks
+        self.executor = None
+        if config.world_size > 1:
+            model, tokenizer, draft = self._init_parallel(config, tokenizer)
         else:
-            budget = config.kv_budget(self.weight_bytes + draft_bytes, model.quantization)
-            try:
-                num_blocks = self.kv_spec.num_blocks_for(budget * self.kv_spec.bytes_per_block
-                                                         // (self.kv_spec.bytes_per_block + draft_block))
-            except ValueError as e:
-                raise ValueError(f"{e}; weights {format_size(self.weight_bytes)}, memory_budget "
-                                 f"{format_size(config.memory_budget)}, kv_cache_memory {config.kv_cache_memory}: "
-                                 "raise memory_budget or kv_cache_memory, or give num_blocks") from None
-        logger.info("attnserve memory: weights %s (%s), KV pool %d blocks of %d tokens (%s)",
-                    format_size(self.weight_bytes), model.quantization, num_blocks, config.block_size,
-                    format_size(num_blocks * self.kv_spec.bytes_per_block))
-        self.cache = PagedKVCache(self.kv_spec, num_blocks, model.device, scales_for(model, kv_dtype, tokenizer))
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_spec.group_windows)
-        self.runner = ModelRunner(model, self.cache, compile=not config.enforce_eager, native=config.native_decoder)
+            model, tokenizer, draft = self._init_local(config, model, tokenizer)
         logger.info("attnserve step: %s", self.runner.step)
         self.proposer: Proposer | None = None
         if self.spec is not None:
             self.proposer = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max) if draft is None \
-                else DraftModelProposer(ModelRunner(draft, PagedKVCache(draft_spec, num_blocks, draft.device),
+                else DraftModelProposer(ModelRunner(draft, PagedKVCache(self.draft_spec, self.num_blocks, draft.device),
                                                     compile=not config.enforce_eager, native=config.native_decoder),
-                                        num_blocks, draft_spec)
+                                        self.num_blocks, self.draft_spec)
             logger.info("attnserve speculative decoding: %s", self.spec)
+        cfg, num_blocks = self.model_config, self.num_blocks
         self.gate = SpeculationGate() if self.spec is not None and self.spec.auto_disable else None
         self._drafting = False  # this step verifies drafts the last one proposed
         self._propose_s = 0.0  # what proposing them took
@@ -119,16 +83,102 @@ class LLMEngine:
         self.compiling: list[Request] = []  # constrained requests whose grammar is not ready yet
         self.last_step_empty = False  # nothing could run (e.g. every request waits for its grammar)
         self.info = ModelInfo(self.max_model_len, cfg.attention_kind, cfg.num_kv_heads, self.kv_spec.bytes_per_token,
-                              cfg.vocab_size, config.block_size, num_blocks, cfg.num_heads, dtype_name(kv_dtype),
-                              self.cpu_path, model.quantization, self.weight_bytes,
-                              self.spec.method if self.spec is not None else None, cfg.layer_windows,
-                              self.kv_spec.bytes_per_block, cfg.attention_variants)
+                              cfg.vocab_size, config.block_size, num_blocks, cfg.num_heads,
+                              dtype_name(self.kv_spec.dtype), self.cpu_path, self.cpu_path.quantization,
+                              self.weight_bytes, self.spec.method if self.spec is not None else None,
+                              cfg.layer_windows, self.kv_spec.bytes_per_block, cfg.attention_variants,
+                              config.tensor_parallel_size, config.pipeline_parallel_size,
+                              self.executor.info if self.executor is not None else ())
+        self.in_flight: deque[tuple[SchedulerOutput, Batch, Any]] = deque()  # steps submitted, not finished
         self.groups: dict[str, list[Request]] = {}
         self.num_steps = 0
         self.num_step_errors = 0
         self.num_generated_tokens = 0
         self.num_adds_received = 0
         self._cached_free = (0.0, 0)  # (when counted, count)
+
+    def _init_local(self, config: EngineConfig, model: DecoderLM | None, tokenizer: Any):
+        """The model in this process: loaded here, or one the caller loaded (its dtype is the one asked for)."""
+        if model is None:
+            path = resolve_model(config.model)
+            model = load_for_serving(path, config.dtype, config.device, quantization=config.quantization)
+            tokenizer = tokenizer or load_tokenizer(path)
+        else:
+            dtype = dtype_name(model.dtype)
+            prepare(model, detect(config.device), dtype, dtype, config.device)
+        self._describe_path(model.cpu_path)
+        self.model, self.tokenizer = model, tokenizer
+        draft = self._init_common(config, model.config, kv_cache_dtype(config.kv_cache_dtype, model.dtype))
+        # NOTE: weight_bytes is what the weights take as served (quantized, packed): with kv_cache_memory
+        # auto the pool is memory_budget minus that, so every byte quantization saves becomes KV blocks
+        self.weight_bytes = model.weight_bytes()
+        # NOTE: a draft model's weights and its KV (as many blocks as the target's, fewer bytes each) come
+        # out of the same budget
+        draft_bytes = draft.weight_bytes() if draft is not None else 0
+        draft_block = self.draft_spec.bytes_per_block if draft is not None else 0
+        if config.num_blocks:
+            num_blocks = config.num_blocks
+        else:
+            budget = config.kv_budget(self.weight_bytes + draft_bytes, model.quantization)
+            num_blocks = self._blocks_in(budget * self.kv_spec.bytes_per_block // (self.kv_spec.bytes_per_block + draft_block),
+                                         self.kv_spec.bytes_per_block, self.weight_bytes)
+        self._init_pool(num_blocks)
+        scales = scales_for(model, self.kv_spec.dtype, tokenizer)
+        self.cache = PagedKVCache(self.kv_spec, num_blocks, model.device, scales)
+        self.runner = ModelRunner(model, self.cache, compile=not config.enforce_eager, native=config.native_decoder)
+        return model, tokenizer, draft
+
+    def _init_parallel(self, config: EngineConfig, tokenizer: Any):
+        """The model sharded over Ray workers (server/engine/executor.py); scheduling and sampling stay here.
+        Each rank's pool gets what its budget leaves after its weights: the group has the fewest blocks any
+        rank fits."""
+        from server.engine.executor import RayExecutor
+
+        path = resolve_model(config.model)
+        self.executor = RayExecutor(config)
+        self._describe_path(self.executor.cpu_path)
+        self.model, self.tokenizer = None, tokenizer or load_tokenizer(path)
+        cfg = read_model_config(path)
+        draft = self._init_common(config, cfg, kv_cache_dtype(config.kv_cache_dtype, parse_dtype(self.cpu_path.dtype)))
+        self.weight_bytes = sum(w.weight_bytes for w in self.executor.info)
+        num_blocks = config.num_blocks or min(
+            self._blocks_in(config.kv_budget(w.weight_bytes, self.cpu_path.quantization), w.kv_bytes_per_block,
+                            w.weight_bytes) for w in self.executor.info)
+        self._init_pool(num_blocks)
+        self.cache = None
+        self.runner = DistributedRunner(self.executor, self.kv_spec, cfg.vocab_size, num_blocks)
+        return None, self.tokenizer, draft
+
+    def _describe_path(self, path) -> None:
+        self.cpu_path = path
+        # NOTE: one line says what this machine runs; at warning level when a slower choice was asked for
+        logger.log(logging.WARNING if path.note else logging.INFO, "attnserve engine: %s", path.describe())
+
+    def _init_common(self, config: EngineConfig, cfg, kv_dtype) -> DecoderLM | None:
+        self.spec = config.speculative_config
+        draft = self._load_draft() if self.spec is not None and self.spec.method == "draft_model" else None
+        self.draft_spec = DraftModelProposer.kv_spec(draft, config.block_size) if draft is not None else None
+        self.model_config = cfg
+        self.max_model_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
+        self.kv_spec = KVCacheSpec.of(cfg, kv_dtype, config.block_size)
+        return draft
+
+    def _blocks_in(self, budget: int, block_bytes: int, weight_bytes: int) -> int:
+        config = self.config
+        if budget < block_bytes:
+            raise ValueError(f"KV budget of {budget} bytes is below one block ({block_bytes} bytes); weights "
+                             f"{format_size(weight_bytes)}, memory_budget {format_size(config.memory_budget)}, "
+                             f"kv_cache_memory {config.kv_cache_memory}: raise memory_budget or kv_cache_memory, "
+                             "or give num_blocks")
+        return budget // block_bytes
+
+    def _init_pool(self, num_blocks: int) -> None:
+        config = self.config
+        self.num_blocks = num_blocks
+        logger.info("attnserve memory: weights %s (%s), KV pool %d blocks of %d tokens (%s)",
+                    format_size(self.weight_bytes), self.cpu_path.quantization, num_blocks, config.block_size,
+                    format_size(num_blocks * self.kv_spec.bytes_per_block))
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_spec.group_windows)
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -186,7 +236,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return bool(self.groups)
+        return bool(self.groups) or bool(self.in_flight)
 
     def stats(self) -> EngineStats:
         sch, kv, now = self.scheduler, self.kv, time.time()
@@ -203,22 +253,40 @@ class LLMEngine:
 
     # ---- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and start steps until `runner.depth` are in flight (one, unless pipeline stages keep
+        several), then finish the oldest: its tokens, as outputs."""
         start = time.perf_counter()
         failed = self._start_grammars() if self.compiling else []
-        out = self.scheduler.schedule()
-        self.last_step_empty = out.is_empty
-        if out.is_empty:
+        # NOTE: with speculation each step's drafts come from the last step's tokens: one at a time
+        depth = 1 if self.spec is not None else self.runner.depth
+        while len(self.in_flight) < depth:
+            # NOTE: a request in a step in flight sits the next ones out: its next token is not known yet
+            out = self.scheduler.schedule(busy={s.request.request_id for o, _, _ in self.in_flight for s in o.seqs})
+            if out.is_empty:
+                break
+            self.num_steps += 1
+            try:
+                batch = self.runner.prepare(out)
+                self.in_flight.append((out, batch, self.runner.submit(batch)))
+            except WorkerDiedError:
+                raise
+            except Exception as e:  # a failed step fails its requests, never the engine
+                failed += self._fail_step(out, e)
+        self.last_step_empty = not self.in_flight
+        if not self.in_flight:
             return failed
-        self.num_steps += 1
+        out, batch, pending = self.in_flight.popleft()
         try:
-            result = self.runner.execute(self.runner.prepare(out))
-        except Exception as e:  # a failed step fails its requests, never the engine
-            logger.exception("model step failed")
-            self.num_step_errors += 1
-            return failed + [self._final(s.request, "error", (), error=f"{type(e).__name__}: {e}") for s in out.seqs]
+            result = self.runner.finish(batch, pending)
+        except WorkerDiedError:
+            raise
+        except Exception as e:
+            return failed + self._fail_step(out, e)
         now = time.monotonic()
         samplers = [s for s in out.seqs if s.samples]
-        outputs = [self._on_tokens(s.request, t, lp, now) for s, t, lp in zip(samplers, result.token_ids, result.logprobs)]
+        # NOTE: a request aborted while its step was in flight gets no tokens (its blocks are already free)
+        outputs = [self._on_tokens(s.request, t, lp, now) for s, t, lp in zip(samplers, result.token_ids, result.logprobs)
+                   if not s.request.is_finished]
         # NOTE: after the tokens are appended: accepted drafts become computed tokens, hashed into full blocks
         accepted = {s.request.request_id: len(t) - 1 for s, t in zip(samplers, result.token_ids) if s.draft_token_ids}
         self.scheduler.advance(out, accepted)
@@ -231,6 +299,12 @@ class LLMEngine:
                                  time.perf_counter() - start + self._propose_s)
             self._speculate(samplers, accepted)
         return failed + [o for o in outputs if o is not None]
+
+    def _fail_step(self, out: SchedulerOutput, e: Exception) -> list[RequestOutput]:
+        logger.exception("model step failed")
+        self.num_step_errors += 1
+        return [self._final(s.request, "error", (), error=f"{type(e).__name__}: {e}")
+                for s in out.seqs if not s.request.is_finished]
 
     def _speculate(self, samplers, accepted: dict[str, int]) -> None:
         """Account for this step's drafts, then propose the next step's (if they pay at this batch size)."""

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvcache.paged_attention import AttentionMetadata, PagedAttention
-from kvcache.storage import PagedKVCache
+from kvcache.storage import KVCacheSpec, PagedKVCache
 from models.native_decoder import NativeDecoder, unsupported
 from models.transformer import DecoderLM
 from server.engine.compilation import compile_model
@@ -17,6 +17,7 @@ from server.engine.grammar import apply_bitmask, fill_bitmask
 from server.engine.rejection_sampler import verify
 from server.wire import TokenLogprob
 from server.engine.sampler import SamplingBatch, sample
+from server.engine.shard_worker import StepInputs
 from server.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,9 @@ class ModelRunner:
     def __init__(self, model: DecoderLM, cache: PagedKVCache, compile: bool = True, native: bool = True) -> None:
         self.model = model
         self.cache = cache
+        self.spec, self.vocab_size = cache.spec, model.config.vocab_size
         self.device = model.device
+        self.depth = 1  # steps in flight at once (pipeline stages keep several)
         self.forward, self.compile_seconds, self.step = model, 0.0, "eager"
         reason = unsupported(model) if compile and native else "not asked for"
         if reason is None:
@@ -59,7 +62,7 @@ class ModelRunner:
         elif compile:
             logger.info("attnserve step: compiled (the native decoder: %s)", reason)
             try:
-                for t in cache.k + cache.v:
+                for t in cache.tensors:
                     # NOTE: a pool's shape never changes: a compiled step specialises on it instead of
                     # checking, on every call, symbolic sizes and strides of each layer's K and V in Python
                     torch._dynamo.mark_static(t)
@@ -78,11 +81,11 @@ class ModelRunner:
         which holds nothing yet; any request that later owns it writes every slot before reading.
         """
         start = time.perf_counter()
-        bs = self.cache.spec.block_size
+        bs = self.spec.block_size
         for query_len, context_len in ((2, 0), (1, 2)):
             total = query_len + context_len
             meta = AttentionMetadata.build_groups([query_len], [context_len],
-                                                  [[[0] * -(-total // bs)]] * len(self.cache.spec.groups), bs, self.device)
+                                                  [[[0] * -(-total // bs)]] * len(self.spec.groups), bs, self.device)
             ids = torch.zeros(query_len, dtype=torch.long, device=self.device)
             positions = torch.arange(context_len, total, device=self.device)
             with torch.inference_mode():
@@ -109,10 +112,10 @@ class ModelRunner:
                              req.output_token_ids, None) for i in range(len(drafts)))
         attn = AttentionMetadata.build_groups(
             [s.query_len for s in out.seqs], [s.num_computed_tokens for s in out.seqs],
-            list(zip(*(s.block_ids for s in out.seqs))), self.cache.spec.block_size, self.device,
+            list(zip(*(s.block_ids for s in out.seqs))), self.spec.block_size, self.device,
         )
         # NOTE: a matcher's state is its sequence's tokens so far, so the masks are filled before the step
-        masks = fill_bitmask([g for _, _, g in rows], self.model.config.vocab_size)
+        masks = fill_bitmask([g for _, _, g in rows], self.vocab_size)
         drafts = tuple(s.draft_token_ids for s in out.seqs if s.samples)
         return Batch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
@@ -129,12 +132,23 @@ class ModelRunner:
             draft_token_ids=drafts if any(drafts) else None,
         )
 
-    @torch.inference_mode()
     def execute(self, batch: Batch) -> StepResult:
+        return self.finish(batch, self.submit(batch))
+
+    @torch.inference_mode()
+    def submit(self, batch: Batch):
+        """Start the step: here the model runs at once; the logits rows (R, V), or None."""
         hidden = self.forward(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.attn))  # (T, C)
         if not len(batch.logits_indices):
+            return None
+        return self.model.logits(hidden[batch.logits_indices])  # (R, V) in the model's dtype
+
+    @torch.inference_mode()
+    def finish(self, batch: Batch, pending) -> StepResult:
+        """The step's tokens, sampled from its logits (`pending`: what `submit` returned)."""
+        logits = self.logits_of(pending)
+        if logits is None:
             return StepResult((), ())
-        logits = self.model.logits(hidden[batch.logits_indices])  # (R, V) in the model's dtype
         if batch.grammar_masks is not None:
             apply_bitmask(logits, batch.grammar_masks)  # every sampling field then applies inside the mask
         if batch.draft_token_ids is not None:
@@ -142,3 +156,26 @@ class ModelRunner:
             return StepResult(tuple(map(tuple, tokens)), tuple(map(tuple, logprobs)))
         tokens, logprobs = sample(logits, batch.sampling)
         return StepResult(tuple((t,) for t in tokens), tuple((lp,) for lp in logprobs))
+
+    def logits_of(self, pending):
+        return pending
+
+
+class DistributedRunner(ModelRunner):
+    """The same steps over a model sharded across Ray workers (server/engine/executor.py): the
+    batch is packed and sampled here, the layers run on the ranks; with pipeline stages, as many
+    steps as stages are in flight."""
+
+    def __init__(self, executor, spec: KVCacheSpec, vocab_size: int, num_blocks: int) -> None:
+        self.executor, self.spec, self.vocab_size = executor, spec, vocab_size
+        self.model, self.cache, self.device = None, None, torch.device("cpu")
+        start = time.perf_counter()
+        self.step = executor.init_cache(num_blocks)
+        self.compile_seconds = time.perf_counter() - start
+        self.depth = executor.pipeline_parallel_size
+
+    def submit(self, batch: Batch):
+        return self.executor.submit(StepInputs(batch.input_ids, batch.positions, batch.attn, batch.logits_indices))
+
+    def logits_of(self, pending):
+        return self.executor.result(pending)

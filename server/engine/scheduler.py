@@ -66,20 +66,26 @@ class Scheduler:
         if len(requests) > 1:
             self.held[requests[0].request_id] = requests[1:]
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: frozenset[str] | set[str] = frozenset()) -> SchedulerOutput:
+        """`busy`: requests in a step still in flight (pipeline stages): they sit this one out and are
+        never preempted (their blocks are being written)."""
         budget = self.max_num_batched_tokens
         chosen: dict[str, tuple[Request, int, int, tuple[int, ...]]] = {}
         preempted: list[Request] = []
+        free = [r for r in self.running if r.request_id not in busy]
         # NOTE: drafts take only what is left once every running request has its one token
-        spare = budget - len(self.running)
-        for req in sorted(self.running, key=lambda r: r.num_new_tokens > 1):  # decodes first (stable)
+        spare = budget - len(free)
+        for req in sorted(free, key=lambda r: r.num_new_tokens > 1):  # decodes first (stable)
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
             n = min(req.num_new_tokens, budget)
             drafts = tuple(req.draft_token_ids[:max(spare, 0)]) if n == req.num_new_tokens else ()
             req.draft_token_ids = []
             while (fitted := self._allocate(req, req.num_computed_tokens, n, len(drafts))) is None:
-                victim = self.running[-1]  # newest first
+                victims = [r for r in self.running if r.request_id not in busy]
+                if not victims:  # NOTE: only requests in flight hold blocks: wait for them
+                    break
+                victim = victims[-1]  # newest first
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim.request_id in chosen:
@@ -88,7 +94,7 @@ class Scheduler:
                     spare += len(vdrafts)
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != RequestStatus.RUNNING or fitted is None:
                 continue
             n = fitted
             chosen[req.request_id] = (req, n, req.num_computed_tokens, drafts)
