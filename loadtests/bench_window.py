@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ apply_isa_cap()  # NOTE: before torch
 import torch  # noqa: E402
 
 from loadtests.bench_engine import _adapter, make_prompts  # noqa: E402
-from loadtests.engine_timing import step_timings  # noqa: E402
+from loadtests.engine_timing import save_json, step_timings  # noqa: E402
 from models import load_model, load_tokenizer, resolve_model  # noqa: E402
 from models.transformer import DecoderLM  # noqa: E402
 from server.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -108,9 +107,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     results = {form: bench_form(args, form, path, tok) for form in forms}
     print_table(args, results)
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
-                                         "results": results}, indent=2, default=str))
+    save_json(args, results)
     return results
 
 

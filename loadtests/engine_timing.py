@@ -62,3 +62,12 @@ def step_timings(engine: EngineAdapter, workload: dict, repeats: int) -> dict:
         engine.reset()
         prefill.append(prefill_seconds(engine, workload["prefill_prompt"], f"prefill-{r}"))
     return {"step_ms": step_ms, "prefill_s": statistics.median(prefill)}
+
+
+def save_json(args, results: dict) -> None:
+    """A benchmark's results and the arguments that made them, where --json says (if it does)."""
+    import json
+
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
+                                         "results": results}, indent=2, default=str))

@@ -43,8 +43,12 @@ def unsupported(model: DecoderLM) -> str | None:
         return f"attention variants or block forms it does not implement ({', '.join(cfg.attention_variants)})"
     if not ops.CPU_BACKEND.startswith("native"):
         return "no C++ paged-attention kernel"
+    if model.embed is None or model.lm_head is None:
+        return "a pipeline stage (it runs every layer from embedding to final norm)"
+    if _communicator(model) is False:
+        return "tensor-parallel all-reduces over gloo (only shared memory is called from C++)"
     for layer in model.layers:
-        for linear in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        for linear in _linears(layer):
             if not (isinstance(linear, QuantLinear) and linear.mode == "packed"):
                 return "layer linears that are not packed quantized"
     try:
@@ -52,6 +56,24 @@ def unsupported(model: DecoderLM) -> str | None:
     except Exception as e:  # noqa: BLE001 - no compiler: the compiled step serves
         return f"the C++ decoder is unavailable ({str(e).splitlines()[0]})"
     return None
+
+
+def _linears(layer) -> tuple:
+    """A layer's four linears, a tensor-parallel rank's unwrapped from their all-reduce."""
+    from models.parallel import RowParallel
+
+    return tuple(m.inner if isinstance(m, RowParallel) else m
+                 for m in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+
+
+def _communicator(model: DecoderLM):
+    """None without tensor parallelism; a rank's shared-memory communicator; False if it all-reduces over gloo."""
+    from models.parallel import RowParallel
+
+    o_proj = model.layers[0].attn.o_proj
+    if not isinstance(o_proj, RowParallel):
+        return None
+    return o_proj.tp.shm if o_proj.tp.shm is not None else False
 
 
 class NativeDecoder:
@@ -69,10 +91,13 @@ class NativeDecoder:
         self.stack = torch.classes.attnserve.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                                           cfg.intermediate_size, cfg.norm_eps,
                                                           model.final_norm.weight.detach())
+        shm = _communicator(model)
+        if shm is not None:  # NOTE: a tensor-parallel rank: its partial sums all-reduced inside the C++ loop
+            self.stack.set_all_reduce(shm.handle)
         for layer in model.layers:
             tensors: list[torch.Tensor] = []
             sizes: list[int] = []
-            for linear in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            for linear in _linears(layer):
                 bias = linear.bias.detach() if linear.bias is not None else torch.empty(0)  # NOTE: empty = no bias
                 tensors += [linear.codes, linear.scales, linear.offsets, bias]
                 sizes += [linear.bits, linear.group_size, linear.out_features]

@@ -58,6 +58,11 @@ class ShmCommunicator:
         """Every rank's x concatenated along the last dim: (..., world_size * last)."""
         return torch.ops.attnserve.shm_all_gather(x, self.handle)
 
+    def stats(self) -> tuple[int, float]:
+        """(collectives made, seconds spent in them): copies, waiting for the other ranks, sums."""
+        calls, seconds = torch.ops.attnserve.shm_stats(self.handle)
+        return calls, seconds
+
     def unlink(self) -> None:
         """Remove the name from /dev/shm (the mappings stay): once every rank has opened it."""
         torch.ops.attnserve.shm_unlink(self.name)

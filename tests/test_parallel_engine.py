@@ -124,3 +124,29 @@ def test_dead_worker_fails_the_step_not_hangs(checkpoints, prompts, ray_session)
         assert raised  # WorkerDiedError: the engine process then exits and Serve restarts the replica
     finally:
         engine.executor.shutdown()
+
+
+def test_default_model_tensor_parallel_runs_native(default_model_dir, ray_session):
+    """The shipped Q4_1 model at TP=2: each rank runs the native decoder (the all-reduces called from
+    C++ through shared memory) on its shard of the quantized codes; fp32, greedy tokens as TP=1's up
+    to a near-tie (the ranks' partial sums add in another order)."""
+    from models.corpus import corpus_words
+    from models.loader import load_tokenizer
+
+    tok = load_tokenizer(default_model_dir)
+    words = corpus_words()
+    prompts = [tok(" ".join(words[i:i + n]))["input_ids"] for i, n in ((0, 8), (300, 60), (900, 25))]
+    config = dict(model="default", dtype="float32", num_blocks=128, kv_cache_memory=None)
+    expected = [g[0] for g in LLMEngine(EngineConfig(**config)).generate(prompts, GREEDY)]
+    engine = LLMEngine(EngineConfig(**config, tensor_parallel_size=2, worker_cpus=0.25))
+    try:
+        assert engine.runner.step == "native" and {w.collectives for w in engine.info.workers} == {"shm"}
+        assert engine.info.quantization == "Q4_1+Q8_0"
+        ranks = engine.info.workers
+        assert abs(ranks[0].weight_bytes - ranks[1].weight_bytes) < 0.2 * ranks[0].weight_bytes  # ~half each
+        for ours, theirs in zip((g[0] for g in engine.generate(prompts, GREEDY)), expected):
+            assert_greedy_close(list(ours.token_ids), [dict(lp.top) for lp in ours.logprobs],
+                                list(theirs.token_ids), [dict(lp.top) for lp in theirs.logprobs])
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    finally:
+        engine.executor.shutdown()

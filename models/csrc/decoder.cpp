@@ -45,6 +45,14 @@ at::Tensor quant_linear(const at::Tensor& x, const Linear& w) {
   return op.call(x, w.codes, w.scales, w.offsets, w.bias, w.bits, w.group_size, c10::SymInt(w.out_features));
 }
 
+// A tensor-parallel rank's partial sums, summed over its group through shared memory (models/shm_comm.py)
+at::Tensor all_reduce(const at::Tensor& x, int64_t handle) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("attnserve::shm_all_reduce", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t)>();
+  return op.call(x, handle);
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                            at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t max_query_len,
@@ -164,6 +172,10 @@ class DecoderStack : public torch::CustomClassHolder {
     layers_.push_back({attn_norm.contiguous(), mlp_norm.contiguous(), w[0], w[1], w[2], w[3]});
   }
 
+  // A tensor-parallel rank: o_proj's and down_proj's outputs are partial sums, all-reduced through the
+  // shared-memory communicator `handle` (its library must be loaded) before each residual add.
+  void set_all_reduce(int64_t handle) { all_reduce_ = handle; }
+
   // x: (T, C) embedded tokens; cos, sin: (T, D) RoPE tables in x's dtype; the rest is one step's
   // paged-attention metadata and the pool (kvcache/paged_attention.py). Returns the final-normed (T, C).
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
@@ -215,11 +227,13 @@ class DecoderStack : public torch::CustomClassHolder {
       at::Tensor out = paged_attention(q, k, v, k_caches[l], v_caches[l], slot_mapping, block_tables, seq_lens,
                                        query_start_loc, max_query_len, max_seq_len, scale, k_scales[l], v_scales[l]);
       at::Tensor o = quant_linear(out.view({t, h * d}), layer.o).contiguous();  // (T, C)
+      if (all_reduce_ >= 0) o = all_reduce(o, all_reduce_);
       add_into<T>(xp, o.data_ptr<T>(), t * c);
       rms_norm<T>(xp, layer.mlp_norm.data_ptr<T>(), np, t, c, eps_);
       at::Tensor gate_up = quant_linear(normed, layer.gate_up).contiguous();  // (T, 2 I)
       silu_mul<T>(gate_up.data_ptr<T>(), act.data_ptr<T>(), t, width);
       at::Tensor down = quant_linear(act, layer.down).contiguous();  // (T, C)
+      if (all_reduce_ >= 0) down = all_reduce(down, all_reduce_);
       add_into<T>(xp, down.data_ptr<T>(), t * c);
     }
     rms_norm<T>(xp, final_norm_.data_ptr<T>(), np, t, c, eps_);
@@ -228,6 +242,7 @@ class DecoderStack : public torch::CustomClassHolder {
 
   int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_size_;
   float eps_;
+  int64_t all_reduce_ = -1;  // a shared-memory communicator's handle; -1: not tensor parallel
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
 };
@@ -238,5 +253,6 @@ TORCH_LIBRARY_FRAGMENT(attnserve, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, at::Tensor>())
       .def("add_layer", &DecoderStack::add_layer)
+      .def("set_all_reduce", &DecoderStack::set_all_reduce)
       .def("forward", &DecoderStack::forward);
 }

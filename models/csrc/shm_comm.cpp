@@ -29,6 +29,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -55,6 +56,7 @@ struct Comm {
   char* base;
   int64_t rank, world, max_bytes, slot;
   uint64_t seq = 0;  // calls this rank has made
+  double seconds = 0;  // spent in its collectives (copies, waiting for the others, sums): benchmarks read it
 
   Counter& counter(int64_t r) const { return reinterpret_cast<Counter*>(base)[r]; }
   char* slot_of(uint64_t call, int64_t r) const {
@@ -180,8 +182,16 @@ void sum_slots(const Comm& c, uint64_t call, int64_t n, T* out) {
 // NOTE: two buffers suffice: a rank starts call k + 2 (overwriting its slot of call k's buffer)
 // only after call k + 1 returned, i.e. after every rank posted call k + 1, which each did only
 // after it finished reading call k's slots.
+// Adds the wall time of one collective to its communicator's total, however the call ends.
+struct Timed {
+  Comm& c;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  ~Timed() { c.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); }
+};
+
 at::Tensor all_reduce(const at::Tensor& x, int64_t handle) {
   Comm& c = comm_of(handle);
+  Timed timed{c};
   const at::Tensor xc = checked(x, c, "shm_all_reduce");
   const auto dtype = xc.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
@@ -199,6 +209,7 @@ at::Tensor all_reduce(const at::Tensor& x, int64_t handle) {
 // Every rank's x (one shape on all), concatenated along the last dim: (..., world * last).
 at::Tensor all_gather(const at::Tensor& x, int64_t handle) {
   Comm& c = comm_of(handle);
+  Timed timed{c};
   TORCH_CHECK(x.dim() >= 1, "shm_all_gather: x needs a last dim");
   const at::Tensor xc = checked(x, c, "shm_all_gather");
   std::memcpy(c.slot_of(c.seq, c.rank), xc.data_ptr(), xc.nbytes());
@@ -213,9 +224,15 @@ at::Tensor all_gather(const at::Tensor& x, int64_t handle) {
   return out;
 }
 
+std::tuple<int64_t, double> stats(int64_t handle) {
+  const Comm& c = comm_of(handle);
+  return {int64_t(c.seq), c.seconds};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnserve, m) {
+  m.def("shm_stats(int handle) -> (int, float)", &stats);
   m.def("shm_open(str name, int rank, int world_size, int max_bytes, bool create) -> int", &open_comm);
   m.def("shm_unlink(str name) -> ()", &unlink_name);
   m.def("shm_set_timeout(float seconds) -> ()", &set_timeout);

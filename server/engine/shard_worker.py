@@ -21,10 +21,6 @@ from server.wire import WorkerInfo
 
 logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 120
-STAGE_SEND, STAGE_RECV = "attnserve_stage_send", "attnserve_stage_recv"
-# profiler events that are communication: gloo / functional collectives, our shared-memory ops, stages
-COMM_EVENTS = ("all_reduce", "allreduce", "all_gather", "allgather", "wait_tensor", "shm_", "stage_send",
-               "stage_recv", "c10d::")
 
 
 @dataclass(frozen=True)
@@ -88,7 +84,7 @@ class ShardWorker:
         self.spec = KVCacheSpec.of(self.model.config, self.model.dtype, config.block_size)
         self.forward, self.cache, self.step = self.model, None, "eager"
         self.sends: deque = deque()  # isends in flight to the next stage (their tensors kept alive)
-        self.num_steps, self.profiler = 0, None
+        self.num_steps, self.timers = 0, {"step": 0.0, "recv": 0.0, "send": 0.0}
 
     def _shared_memory(self, group):
         """A shared-memory communicator for this stage's ranks when they share a node (gloo otherwise).
@@ -135,9 +131,15 @@ class ShardWorker:
         """The pool, then the compiled step (warmed up by all ranks together): (step kind, seconds)."""
         from server.engine.compilation import compile_model
 
+        from models.native_decoder import NativeDecoder, unsupported
+
         self.cache = PagedKVCache(self.spec, num_blocks, self.model.device, layers=self.layers)
         start = time.perf_counter()
-        if not self.config.enforce_eager:
+        reason = unsupported(self.model) if self.config.native_decoder else "not asked for"
+        if reason is None:  # NOTE: a whole model's rank whose all-reduces go through shared memory
+            self.forward, self.step = NativeDecoder(self.model), "native"
+        elif not self.config.enforce_eager:
+            logger.info("rank %d step: compiled (the native decoder: %s)", self.shard.rank, reason)
             try:
                 for t in self.cache.tensors:
                     torch._dynamo.mark_static(t)
@@ -159,8 +161,15 @@ class ShardWorker:
             self.execute(StepInputs(torch.zeros(query_len, dtype=torch.long), torch.arange(context_len, total),
                                     meta, torch.tensor([query_len - 1])))
 
-    @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+        start = time.perf_counter()
+        try:
+            return self._execute(inputs)
+        finally:
+            self.timers["step"] += time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _execute(self, inputs: StepInputs) -> torch.Tensor | None:
         """One step on this rank: logits (R, V) from the last stage's first rank, None elsewhere."""
         import torch.distributed as dist
 
@@ -169,17 +178,20 @@ class ShardWorker:
         hidden = None
         if shard.pp_rank > 0:
             hidden = torch.empty(inputs.input_ids.shape[0], self.model.config.hidden_size, dtype=self.model.dtype)
-            with torch.profiler.record_function(STAGE_RECV):
-                dist.recv(hidden, src=shard.rank - tp)
+            start = time.perf_counter()
+            dist.recv(hidden, src=shard.rank - tp)
+            self.timers["recv"] += time.perf_counter() - start
+        stage_input = {} if hidden is None else {"hidden": hidden}  # NOTE: the native decoder takes none
         out = self.forward(inputs.input_ids, inputs.positions, PagedAttention(self.cache, inputs.attn),
-                           hidden=hidden)  # (T, C)
+                           **stage_input)  # (T, C)
         if shard.pp_rank < shard.pp_size - 1:
             # NOTE: sent without waiting: this stage goes on with the next micro-batch while the next stage runs
-            with torch.profiler.record_function(STAGE_SEND):
-                while len(self.sends) >= shard.pp_size:
-                    self.sends.popleft()[0].wait()
-                out = out.contiguous()
-                self.sends.append((dist.isend(out, dst=shard.rank + tp), out))
+            start = time.perf_counter()
+            while len(self.sends) >= shard.pp_size:
+                self.sends.popleft()[0].wait()
+            out = out.contiguous()
+            self.sends.append((dist.isend(out, dst=shard.rank + tp), out))
+            self.timers["send"] += time.perf_counter() - start
             return None
         if not len(inputs.logits_indices):
             return None
@@ -189,18 +201,16 @@ class ShardWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def start_profile(self) -> None:
-        """torch.profiler over the next steps (benchmarks: where a step's time goes)."""
-        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        self.profiler.__enter__()
-        self.profiled_from = self.num_steps
+    def memory(self) -> dict[str, int]:
+        """This process's resident and peak resident bytes (VmRSS, VmHWM)."""
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmRSS", "VmHWM")))
+        return {"rss": int(fields["VmRSS"].split()[0]) * 1024, "peak_rss": int(fields["VmHWM"].split()[0]) * 1024,
+                "weight_bytes": self.weight_bytes, "kv_bytes": self.cache.nbytes if self.cache is not None else 0}
 
-    def stop_profile(self) -> dict:
-        """Per profiled step: milliseconds in collectives and stage-to-stage transfers (self time of
-        each such event, so nested ones count once), and the events' names."""
-        self.profiler.__exit__(None, None, None)
-        steps = max(1, self.num_steps - self.profiled_from)
-        comm = {e.key: e.self_cpu_time_total / 1000 / steps for e in self.profiler.key_averages()
-                if any(k in e.key.lower() for k in COMM_EVENTS)}
-        self.profiler = None
-        return {"rank": self.shard.rank, "steps": steps, "comm_ms_per_step": sum(comm.values()), "events": comm}
+    def comm_stats(self) -> dict:
+        """Running totals (benchmarks take differences): steps, seconds in them, and seconds in
+        communication: shared-memory collectives (copies, waiting for the stage's other ranks, sums),
+        waiting for the previous stage's hidden states, and for sends to the next stage."""
+        calls, shm_s = self.shm.stats() if self.shm is not None else (0, 0.0)
+        return {"rank": self.shard.rank, "steps": self.num_steps, "step_s": self.timers["step"],
+                "collectives": calls, "collective_s": shm_s, "recv_s": self.timers["recv"], "send_s": self.timers["send"]}
