@@ -60,9 +60,10 @@ test: install system-deps
 ISA_TESTS ?= tests/test_engine_greedy.py tests/test_models_vs_hf.py tests/test_compiled.py \
 	tests/test_paged_attention.py tests/test_kv_fp8.py tests/test_panel_linear.py tests/test_cpu_path.py \
 	tests/test_quant_linear.py tests/test_quantized_greedy.py tests/test_native_decoder.py tests/test_speculative.py \
-	tests/test_attention_variants.py tests/test_variant_models.py
+	tests/test_attention_variants.py tests/test_variant_models.py tests/test_shm_comm.py tests/test_parallel_layers.py \
+	tests/test_parallel_engine.py
 KERNEL_TESTS ?= tests/test_paged_attention.py tests/test_kv_fp8.py tests/test_panel_linear.py tests/test_quant_linear.py \
-	tests/test_native_decoder.py tests/test_attention_variants.py
+	tests/test_native_decoder.py tests/test_attention_variants.py tests/test_shm_comm.py
 test-isa: install system-deps
 	ATTNSERVE_CPU_ISA=avx2 $(PY) -m pytest -q $(ISA_TESTS) $(PYTEST_ARGS)
 	ATTNSERVE_CPU_ISA=generic $(PY) -m pytest -q $(KERNEL_TESTS) -m "not slow" $(PYTEST_ARGS)

@@ -74,10 +74,11 @@ def test_sharded_greedy_equals_unsharded(arch, tp, pp, checkpoints, prompts, ray
         engine.executor.shutdown()
 
 
-def test_bf16_compiled_tensor_parallel(checkpoints, prompts, ray_session):
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_bf16_compiled_sharded(tp, pp, checkpoints, prompts, ray_session):
     expected = reference(checkpoints["llama"], prompts, "bfloat16")
-    engine = LLMEngine(EngineConfig(model=str(checkpoints["llama"]), dtype="bfloat16", tensor_parallel_size=2,
-                                    **{**TIGHT, "enforce_eager": False}))
+    engine = LLMEngine(EngineConfig(model=str(checkpoints["llama"]), dtype="bfloat16", tensor_parallel_size=tp,
+                                    pipeline_parallel_size=pp, **{**TIGHT, "enforce_eager": False}))
     try:
         assert engine.runner.step == "compiled"
         check(engine, prompts, expected)
