@@ -56,9 +56,9 @@ class LLMEngine:
         self.config = config
         self.executor = None
         if config.world_size > 1:
-            model, tokenizer, draft = self._init_parallel(config, tokenizer)
+            tokenizer, draft = self._init_parallel(config, tokenizer)
         else:
-            model, tokenizer, draft = self._init_local(config, model, tokenizer)
+            tokenizer, draft = self._init_local(config, model, tokenizer)
         logger.info("attnserve step: %s", self.runner.step)
         self.proposer: Proposer | None = None
         if self.spec is not None:
@@ -126,7 +126,7 @@ class LLMEngine:
         scales = scales_for(model, self.kv_spec.dtype, tokenizer)
         self.cache = PagedKVCache(self.kv_spec, num_blocks, model.device, scales)
         self.runner = ModelRunner(model, self.cache, compile=not config.enforce_eager, native=config.native_decoder)
-        return model, tokenizer, draft
+        return tokenizer, draft
 
     def _init_parallel(self, config: EngineConfig, tokenizer: Any):
         """The model sharded over Ray workers (server/engine/executor.py); scheduling and sampling stay here.
@@ -147,7 +147,7 @@ class LLMEngine:
         self._init_pool(num_blocks)
         self.cache = None
         self.runner = DistributedRunner(self.executor, self.kv_spec, cfg.vocab_size, num_blocks)
-        return None, self.tokenizer, draft
+        return self.tokenizer, draft
 
     def _describe_path(self, path) -> None:
         self.cpu_path = path
