@@ -63,6 +63,20 @@ class AttentionMetadata:
                    torch.from_numpy(starts).to(device), int(query.max()), int(seq_lens.max()), tuple(others))
 
 
+def warm_up_steps(spec, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]:
+    """(ids, positions, layout) of a 2-token prefill and a 1-token decode after it: the steps a compiled
+    model is warmed up on. NOTE: their dummy K/V land in block 0, which holds nothing yet; any request
+    that later owns it writes every slot before reading."""
+    bs, steps = spec.block_size, []
+    for query_len, context_len in ((2, 0), (1, 2)):
+        total = query_len + context_len
+        meta = AttentionMetadata.build_groups([query_len], [context_len],
+                                              [[[0] * -(-total // bs)]] * len(spec.groups), bs, device)
+        steps.append((torch.zeros(query_len, dtype=torch.long, device=device),
+                      torch.arange(context_len, total, device=device), meta))
+    return steps
+
+
 @dataclass(frozen=True)
 class PagedAttention:
     """The `AttentionFn` for serving: binds the pool to one step's metadata."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcache.paged_attention import AttentionMetadata, PagedAttention
+from kvcache.paged_attention import AttentionMetadata, PagedAttention, warm_up_steps
 from kvcache.storage import KVCacheSpec, PagedKVCache
 from models.native_decoder import NativeDecoder, unsupported
 from models.transformer import DecoderLM
@@ -77,17 +77,10 @@ class ModelRunner:
         """Compile (or load from the disk cache) before serving: a prefill step, then a decode.
 
         Inputs are made as `prepare` makes them (outside inference mode), so the guards that
-        compiling records are the ones real steps pass. NOTE: the dummy K/V land in block 0,
-        which holds nothing yet; any request that later owns it writes every slot before reading.
+        compiling records are the ones real steps pass (kvcache.paged_attention.warm_up_steps).
         """
         start = time.perf_counter()
-        bs = self.spec.block_size
-        for query_len, context_len in ((2, 0), (1, 2)):
-            total = query_len + context_len
-            meta = AttentionMetadata.build_groups([query_len], [context_len],
-                                                  [[[0] * -(-total // bs)]] * len(self.spec.groups), bs, self.device)
-            ids = torch.zeros(query_len, dtype=torch.long, device=self.device)
-            positions = torch.arange(context_len, total, device=self.device)
+        for ids, positions, meta in warm_up_steps(self.spec, self.device):
             with torch.inference_mode():
                 self.forward(ids, positions, PagedAttention(self.cache, meta))
         return time.perf_counter() - start

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.paged_attention import AttentionMetadata, PagedAttention
+from kvcache.paged_attention import AttentionMetadata, PagedAttention, warm_up_steps
 from kvcache.storage import KVCacheSpec, PagedKVCache
 from server.wire import WorkerInfo
 
@@ -151,15 +151,9 @@ class ShardWorker:
         return self.step, time.perf_counter() - start
 
     def _warm_up(self) -> None:
-        """A prefill step and a decode, as ModelRunner.warm_up does (NOTE: dummy K/V land in block 0)."""
-        bs = self.spec.block_size
-        for query_len, context_len in ((2, 0), (1, 2)):
-            total = query_len + context_len
-            meta = AttentionMetadata.build_groups([query_len], [context_len],
-                                                  [[[0] * -(-total // bs)]] * len(self.spec.groups), bs,
-                                                  self.model.device)
-            self.execute(StepInputs(torch.zeros(query_len, dtype=torch.long), torch.arange(context_len, total),
-                                    meta, torch.tensor([query_len - 1])))
+        """The steps ModelRunner.warm_up runs, through this rank's execute (all ranks at once)."""
+        for ids, positions, meta in warm_up_steps(self.spec, self.model.device):
+            self.execute(StepInputs(ids, positions, meta, torch.tensor([len(ids) - 1])))
 
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
         start = time.perf_counter()
@@ -197,9 +191,6 @@ class ShardWorker:
             return None
         logits = self.model.logits(out[inputs.logits_indices])  # (R, V) in the model's dtype: every TP rank gathers
         return logits if shard.tp_rank == 0 else None
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def memory(self) -> dict[str, int]:
         """This process's resident and peak resident bytes (VmRSS, VmHWM)."""
