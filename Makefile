@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # an aarch64 cross compiler (the portable kernels must compile for ARM).
 SYSTEM_PACKAGES ?= prometheus chromium g++-aarch64-linux-gnu
 
-.PHONY: install system-deps serve test test-isa loadtest peers clean
+.PHONY: install system-deps serve test test-fast test-all test-isa loadtest peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,22 +51,29 @@ system-deps:
 serve: install
 	$(VENV)/bin/attnserve serve $(SERVE_ARGS)
 
+# CI's suite: everything but the exhaustive cross-products, and where its time went (the 30 slowest
+# tests, then seconds per file). A test that passes 120 s without @pytest.mark.slow fails
+# (tests/budget.py); .ci/run holds the whole run to 40 minutes.
+DURATIONS ?= --durations=30
 test: install system-deps
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(DURATIONS) $(PYTEST_ARGS)
 
-# The lower CPU paths on any machine: greedy parity, kernels and the compiled step again with the
-# ISA capped at AVX2 (torch, oneDNN, inductor and our kernels all follow ATTNSERVE_CPU_ISA), and
-# the kernels once more on the portable build. CI runs it after `make test`.
-ISA_TESTS ?= tests/test_engine_greedy.py tests/test_models_vs_hf.py tests/test_compiled.py \
-	tests/test_paged_attention.py tests/test_kv_fp8.py tests/test_panel_linear.py tests/test_cpu_path.py \
-	tests/test_quant_linear.py tests/test_quantized_greedy.py tests/test_native_decoder.py tests/test_speculative.py \
-	tests/test_attention_variants.py tests/test_variant_models.py tests/test_shm_comm.py tests/test_parallel_layers.py \
-	tests/test_parallel_engine.py
-KERNEL_TESTS ?= tests/test_paged_attention.py tests/test_kv_fp8.py tests/test_panel_linear.py tests/test_quant_linear.py \
-	tests/test_native_decoder.py tests/test_attention_variants.py tests/test_shm_comm.py
+# The developer's loop: unit, engine and kernel tests; no Ray, no server, nothing marked slow.
+test-fast: install
+	$(PY) -m pytest -q -m "not e2e and not slow and not exhaustive" $(DURATIONS) $(PYTEST_ARGS)
+
+# Everything, the exhaustive cross-products (every model type x feature x mode) included. Not in CI.
+test-all: install system-deps
+	$(PY) -m pytest -q -m "" $(DURATIONS) $(PYTEST_ARGS)
+
+# What the ISA caps change, on any machine: the kernels and linear paths (marked `kernel`) and one
+# greedy-parity pass per model family (`isa`) with the ISA capped at AVX2 (torch, oneDNN, inductor
+# and our kernels all follow ATTNSERVE_CPU_ISA), then the kernels once more on the portable build.
+# Serve and HTTP do not depend on the ISA: they run once, in `make test`. CI runs it after `make test`.
 test-isa: install system-deps
-	ATTNSERVE_CPU_ISA=avx2 $(PY) -m pytest -q $(ISA_TESTS) $(PYTEST_ARGS)
-	ATTNSERVE_CPU_ISA=generic $(PY) -m pytest -q $(KERNEL_TESTS) -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m models.native --levels avx2,generic
+	ATTNSERVE_CPU_ISA=avx2 $(PY) -m pytest -q -m "(kernel or isa) and not exhaustive" $(DURATIONS) $(PYTEST_ARGS)
+	ATTNSERVE_CPU_ISA=generic $(PY) -m pytest -q -m "kernel and not slow and not exhaustive" $(DURATIONS) $(PYTEST_ARGS)
 
 # Headless locust against `attnserve serve` started for the run (or LOADTEST_ARGS="--url ...").
 loadtest: install

@@ -11,7 +11,9 @@ micro-batches in flight. For each: batch-1 decode (ms per output token, after th
 throughput of --batch concurrent requests (output tokens/s, prefill included), medians of
 --repeats; for the sharded forms, the workers' own timers: milliseconds per step spent in
 collectives (the shared-memory op's time, waiting for the other ranks included) and waiting for
-stage-to-stage transfers. Ratio: this form against `tp1`, same run.
+stage-to-stage transfers. Ratio: this form against `tp1`, same run. `--address` runs on a cluster
+of two or more nodes that is already up (KubeRay's, or a test's) instead of starting one;
+`--enforce-eager` skips compiling the step (a quick check of the script, not a figure to report).
 """
 from __future__ import annotations
 
@@ -46,11 +48,20 @@ FORMS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
 
 
 @contextmanager
-def two_nodes(cpus_per_node: int):
+def two_nodes(cpus_per_node: int, address: str | None = None):
     """Two Ray nodes on this machine (a head and one more), this process their driver; afterwards
-    every process of that cluster (and only of it: its temp dir names them) is killed."""
+    every process of that cluster (and only of it: its temp dir names them) is killed. With
+    `address`, that cluster's driver instead, and it is left as found."""
     import ray
 
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        try:
+            assert sum(n["Alive"] for n in ray.nodes()) >= 2, f"{address}: pp2 needs two live nodes"
+            yield
+        finally:
+            ray.shutdown()
+        return
     temp_dir = tempfile.mkdtemp(prefix="attnserve-bench-", dir="/tmp")
     address = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
@@ -97,7 +108,7 @@ def bench_form(args, form: str) -> dict:
         torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=64, max_num_batched_tokens=1024,
                                     tensor_parallel_size=tp, pipeline_parallel_size=pp, worker_cpus=0.5,
-                                    num_threads=1 if sharded else args.threads))
+                                    num_threads=1 if sharded else args.threads, enforce_eager=args.enforce_eager))
     vocab = engine.model_config.vocab_size
     one = make_prompts(1, args.prompt_len, args.prompt_len, vocab, seed=1)
     batch = make_prompts(args.batch, args.prompt_len, args.prompt_len, vocab, seed=2)
@@ -156,11 +167,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--address", help="a running Ray cluster of two or more nodes (default: start one here)")
+    ap.add_argument("--enforce-eager", action="store_true", help="no compiled step (quick checks)")
     args = ap.parse_args(argv)
     forms = args.forms.split(",")
     if forms[0] != "tp1" or set(forms) - set(FORMS):
         raise SystemExit(f"--forms: tp1 first (the ratio's base), then any of {', '.join(FORMS)}")
-    with two_nodes(cpus_per_node=1):
+    with two_nodes(cpus_per_node=1, address=args.address):
         results = {form: bench_form(args, form) for form in forms}
     print_table(args, results)
     save_json(args, results)

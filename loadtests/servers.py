@@ -40,22 +40,29 @@ def wait_ready(url: str, proc: subprocess.Popen, path: str = "/health", timeout:
 @contextlib.contextmanager
 def running(cmd: list[str], url: str, log: Path, env: dict[str, str] | None = None, path: str = "/health",
             stop_signal: int = signal.SIGTERM, timeout: float = 600) -> Iterator[str]:
-    """Run `cmd` until the block ends (`stop_signal`, then SIGKILL); yields `url` once it answers."""
+    """Run `cmd` until the block ends (`stop_signal` to it, then SIGKILL to what is left of its
+    session); yields `url` once it answers.
+
+    NOTE: the child's `stop_signal` starts at its default: under a shell's background job (a CI
+    runner's, nohup's) SIGINT is inherited as ignored, and `serve run` never saw its Ctrl-C."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", **(env or {})})
+                                env={**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", **(env or {})},
+                                preexec_fn=lambda: signal.signal(stop_signal, signal.SIG_DFL))
         try:
             wait_ready(url, proc, path, timeout)
             yield url
         finally:
+            # NOTE: the command alone gets `stop_signal`: it stops what it started (a local Ray
+            # among them); signalled with it, that Ray died under its shutdown, which then hung
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, stop_signal)
-            try:
+                os.kill(proc.pid, stop_signal)
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left in its session
+            proc.wait()
 
 
 def attnserve_cmd(models: dict[str, str], port: int, extra: list[str] | None = None) -> list[str]:

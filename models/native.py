@@ -5,8 +5,9 @@ carries the level and a hash of everything else that shapes it (source, flags, t
 Python): a cache directory shared between machines (an NFS home, a container image built
 elsewhere) never hands a CPU code with instructions it lacks, because the level is chosen from
 the CPU's own features at run time (models/cpu_features.py). `make install` builds this
-machine's libraries ahead of time (`python -m models.native`; `--all` builds every level, for an
-image that runs on other machines); otherwise the first use does, never a request.
+machine's libraries ahead of time (`python -m models.native`, side by side on every core; `--all`
+builds every level, for an image that runs on other machines); otherwise the first use does, never
+a request.
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def build(name: str, isa: str | None = None) -> Path:
     path = library_path(name, isa)
     if path.exists():
         return path
-    with cache_lock("native-build"):
+    with cache_lock(f"native-{path.stem}"):  # NOTE: one lock per library: builds of others run beside it
         if path.exists():
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,13 +115,31 @@ def load(name: str) -> str:
     return isa
 
 
+def build_all(levels: list[str | None] | None = None, names: list[str] | None = None) -> list[Path]:
+    """Every library at every level in `levels` (default: this machine's), one compiler per core:
+    the sources take 12-65 s each to compile, so one at a time leaves cores idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = list(names or SOURCES)
+    jobs = [(name, level) for level in (levels or [None]) for name in names]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        return list(pool.map(lambda job: build(*job), jobs))
+
+
 def _host_levels() -> list[str]:
     """Every level this host's compiler can build (x86: all four; elsewhere: the portable one)."""
     return list(ISA_FLAGS) if read_cpu_features().is_x86 else ["generic"]
 
 
-if __name__ == "__main__":  # python -m models.native [--all]: this machine's libraries, or every level's
-    levels = _host_levels() if "--all" in sys.argv[1:] else [None]
-    for source in SOURCES:
-        for level in levels:
-            print(build(source, level))
+def _levels(argv: list[str]) -> list[str | None]:
+    """`--all`: every level; `--levels avx2,generic`: those; nothing: this machine's."""
+    if "--all" in argv:
+        return _host_levels()
+    if "--levels" in argv:
+        return argv[argv.index("--levels") + 1].split(",")
+    return [None]
+
+
+if __name__ == "__main__":  # python -m models.native [--all | --levels L1,L2]
+    for built in build_all(_levels(sys.argv[1:])):
+        print(built)

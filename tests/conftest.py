@@ -14,7 +14,20 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from loadtests.servers import free_port  # noqa: E402
+from tests.budget import pytest_runtest_makereport, pytest_terminal_summary  # noqa: E402,F401  (the time guard)
 from tests.tiny import ARCHS, VARIANT_ARCHS, make_checkpoint  # noqa: E402
+
+
+# a Ray cluster or a listening server: `make test-fast` leaves out every test that uses one (the files
+# that start their own, test_cli_serve and test_two_nodes, carry the mark themselves)
+E2E_FIXTURES = frozenset({"ray_session", "uvicorn_url", "page_url", "gemma2_server"})
+
+
+@pytest.hookimpl(tryfirst=True)  # NOTE: before -m deselects by marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +45,26 @@ def variant_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """One tiny random checkpoint per attention-variant model type (tests/tiny.py VARIANT_ARCHS)."""
     root = tmp_path_factory.mktemp("tiny-variants")
     return {arch: make_checkpoint(root / arch, arch) for arch in VARIANT_ARCHS}
+
+
+ORACLE_TOKENS = 24  # the greedy continuation every engine-parity test compares
+
+
+@pytest.fixture(scope="session")
+def oracle(tiny_checkpoints):
+    """(arch, dtype) -> (our model, tokenizer, HF's memoised greedy tokens) for tests/tiny.py ARCHS:
+    each model and each HF reference built once per run, whichever parity file asks first."""
+    from tests.reference import tiny_oracle
+
+    return tiny_oracle(tiny_checkpoints, ORACLE_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def variant_oracle(variant_checkpoints):
+    """The same for the attention-variant model types (VARIANT_ARCHS)."""
+    from tests.reference import tiny_oracle
+
+    return tiny_oracle(variant_checkpoints, ORACLE_TOKENS)
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,9 @@ from server.worker import ModelWorker
 
 @pytest.fixture(scope="module")
 def api(tiny_checkpoints):
+    # NOTE: eager: the API is the subject; the compiled step's tests are test_compiled / test_engine_greedy
     worker = ModelWorker("tiny", EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", num_blocks=128,
-                                              block_size=4, max_model_len=256))
+                                              block_size=4, max_model_len=256, enforce_eager=True))
     yield OpenAIApi({"tiny": LocalModelClient(worker)}, ApiLimits(max_n=4, max_tokens=200, max_body_bytes=64 * 1024))
     worker.shutdown()
 
@@ -153,7 +154,8 @@ def test_concurrent_stream_limit_is_429(tiny_checkpoints):
     from server.openai_api import ApiError
     from server.protocol import CompletionRequest
 
-    worker = ModelWorker("tiny", EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", num_blocks=64))
+    worker = ModelWorker("tiny", EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", num_blocks=64,
+                                              enforce_eager=True))
     api = OpenAIApi({"tiny": LocalModelClient(worker)}, ApiLimits(max_concurrent_streams=1))
 
     async def main():

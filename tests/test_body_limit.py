@@ -125,7 +125,7 @@ def uvicorn_url(tiny_checkpoints):
     from server.worker import ModelWorker
 
     worker = ModelWorker("tiny", EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", num_blocks=64,
-                                              block_size=4, max_model_len=256))
+                                              block_size=4, max_model_len=256, enforce_eager=True))
     api = OpenAIApi({"tiny": LocalModelClient(worker)}, ApiLimits(max_n=4, max_tokens=200, max_body_bytes=2**20))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(api), host="127.0.0.1", port=port, lifespan="off",

@@ -1,10 +1,11 @@
 """`make serve`'s command and Ray's `serve run deploy/serve.yaml`, each on its own Ray, with the
-default model, answering the README's curl and openai snippets; SIGTERM shuts down cleanly."""
+default model, answering the README's curl and openai snippets; SIGTERM drains in-flight streams."""
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 
 import httpx
 import pytest
@@ -12,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.servers import BIN, ROOT, free_port, running, wait_ready
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def readme_block(lang: str, must_contain: str) -> str:
@@ -24,15 +25,37 @@ def env() -> dict[str, str]:
     return {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
 
 
-def test_make_serve_answers_the_readme_snippets_and_stops_on_sigterm():
+def stream_until_cut(url: str, out: list, started: threading.Event) -> None:
+    """One long greedy stream; records its status, its SSE lines and any transport error."""
+    body = {"model": "default", "prompt": "1 2 3", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            out.append(("status", r.status_code))
+            for line in r.iter_lines():
+                if line:
+                    out.append(("line", line))
+                    started.set()
+    except httpx.HTTPError as e:
+        out.append(("exception", type(e).__name__))
+    started.set()
+
+
+def test_make_serve_answers_the_readme_snippets_and_drains_on_sigterm(tmp_path):
+    """`make serve`'s command as a user runs it: the README's curl and openai snippets; then SIGTERM
+    with three streams in flight: each drains to [DONE] or is cut cleanly (never left hanging), and
+    the process exits 0."""
     dry = subprocess.run(["make", "--no-print-directory", "-n", "serve"], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     command = next(line for line in dry.splitlines() if "/bin/attnserve " in line).split()
     assert command[-1] == "serve" and command[0].endswith("/bin/attnserve")
     port = free_port()
-    proc = subprocess.Popen([str(BIN / "attnserve"), "serve", "--port", str(port)], cwd=ROOT, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:  # NOTE: a file, not a pipe: Ray's logs would fill a pipe nobody reads yet
+        proc = subprocess.Popen([str(BIN / "attnserve"), "serve", "--port", str(port)], cwd=ROOT, env=env(),
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
+    streams = []
     try:
         wait_ready(url, proc, timeout=300)
         path = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["cpu_path"]
@@ -55,11 +78,27 @@ def test_make_serve_answers_the_readme_snippets_and_stops_on_sigterm():
         res = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120, env=env())
         assert res.returncode == 0, res.stderr
         assert "name='Paris'" in res.stdout and "name='get_weather'" in res.stdout, res.stdout
+        for _ in range(3):  # in flight when the signal comes
+            lines, started = [], threading.Event()
+            thread = threading.Thread(target=stream_until_cut, args=(url, lines, started), daemon=True)
+            thread.start()
+            started.wait(60)
+            streams.append((thread, lines))
     finally:
         proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, output
+        for thread, _ in streams:
+            thread.join(timeout=120)
+            assert not thread.is_alive(), "an in-flight request hung through shutdown"
+        proc.wait(timeout=120)
+    output = log.read_text()
+    assert proc.returncode == 0, output[-3000:]
     assert f"attnserve is up at {url}" in output and "shutting down" in output
+    ends = []
+    for lines in (lines for _, lines in streams):  # drained to the end, or cut cleanly: never left hanging
+        sse = [v for k, v in lines if k == "line"]
+        assert sse and (sse[-1] == "data: [DONE]" or any(k == "exception" for k, _ in lines)), lines[-3:]
+        ends.append(sse[-1])
+    assert "data: [DONE]" in ends  # the drain let at least one finish
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/health", timeout=2)
 

@@ -25,8 +25,10 @@ def chat(tok, question):
                                    add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
 
 
+# bf16 is exhaustive (make test-all): the compiled step and the native decoder over GGUF codes in bf16
+# are tests/test_quantized_greedy.py's gguf-{native,compiled}-bfloat16 cases
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.exhaustive)])
 def test_compiled_and_eager_give_the_same_greedy_tokens(default_model_dir, dtype):
     """A batch that hits the prefix cache and, with a small KV pool, preempts; through the compiled step
     and the native decoder (models/native_decoder.py: the default model's Q4_1 layers) against eager.

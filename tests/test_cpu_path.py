@@ -182,13 +182,23 @@ def test_artifacts_are_named_by_level_and_cpu(monkeypatch, tmp_path):
     assert names["epyc_avx2"][1].name.startswith("avx2-") and "x86-64-v3" in native.ISA_FLAGS["avx2"][0]
 
 
+@pytest.fixture(scope="module")
+def lower_levels() -> None:
+    """Every library at AVX2 and at the portable level, compiled side by side once: the capped runs
+    below load them, and so does `make test-isa` after this file."""
+    from models.native import build_all
+
+    build_all(["avx2", "generic"])
+
+
 def _disassembly(path: Path) -> str:
     return subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True,
                           check=True).stdout
 
 
+@pytest.mark.slow  # the first user of lower_levels: ~2 min of compiling on 2 cores, once per cache
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86 levels")
-def test_lower_levels_hold_no_higher_instructions():
+def test_lower_levels_hold_no_higher_instructions(lower_levels):
     """The AVX2 build has no AVX-512 register in it; the portable one no AVX at all."""
     from models.native import build
 
@@ -199,7 +209,7 @@ def test_lower_levels_hold_no_higher_instructions():
 
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86 levels")
-def test_a_shared_cache_never_loads_another_cpus_kernel(tmp_path):
+def test_a_shared_cache_never_loads_another_cpus_kernel(tmp_path, lower_levels):
     """A cache directory shared with a machine of another level holds that machine's library
     (here: a file that cannot load, at the name this CPU's own level would use). A faked
     AVX2-only CPU loads its own AVX2 build and never touches it; the real CPU does try it."""
@@ -225,7 +235,7 @@ def test_a_shared_cache_never_loads_another_cpus_kernel(tmp_path):
 
 
 @pytest.mark.parametrize("cap", ["avx2", "generic"])
-def test_a_capped_run_takes_the_capped_path(cap):
+def test_a_capped_run_takes_the_capped_path(cap, lower_levels):
     """`attnserve env` under a cap: torch, oneDNN, our kernels and inductor's cache all at the cap."""
     proc = subprocess.run([sys.executable, "-m", "server.cli", "env", "--json"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "ATTNSERVE_CPU_ISA": cap})
@@ -268,7 +278,7 @@ def test_bfloat16_on_an_avx2_cap_answers_with_one_line_saying_it_is_slower(defau
     assert "without bf16 arithmetic" in lines[0]
 
 
-def test_processes_capped_early_and_late_share_a_compile_cache(tmp_path, tiny_checkpoints):
+def test_processes_capped_early_and_late_share_a_compile_cache(tmp_path, tiny_checkpoints, lower_levels):
     """Under ATTNSERVE_CPU_ISA=avx2, a process that capped torch before it started and one whose
     torch started first (a script that imports torch before attnserve) compile the same model
     into one cache: each gets its own directory and the right tokens. With one directory for
@@ -288,6 +298,9 @@ def test_processes_capped_early_and_late_share_a_compile_cache(tmp_path, tiny_ch
     from tests.reference import hf_greedy, load_hf
 
     expected = ",".join(map(str, hf_greedy(load_hf(tiny_checkpoints["llama"]), [5, 6, 7, 8, 9], 8)))
+    from models.registry import cache_dir
+
+    (tmp_path / "native").symlink_to(cache_dir() / "native")  # NOTE: inductor's cache is the subject, not the kernels
     env = {"ATTNSERVE_CACHE_DIR": str(tmp_path), "ATTNSERVE_CPU_ISA": "avx2"}
     dirs = set()
     for order in ("early", "late", "early", "late"):  # the second pair loads what the first compiled
@@ -304,10 +317,15 @@ def test_portable_kernels_compile_for_aarch64():
     """The portable build is plain C++ with vector extensions: it compiles for ARM too."""
     from models.native import SOURCES, command
 
+    from concurrent.futures import ThreadPoolExecutor
+
     cross = shutil.which("aarch64-linux-gnu-g++")
     assert cross, "aarch64-linux-gnu-g++ missing: `make test` installs Debian's g++-aarch64-linux-gnu"
-    for name in SOURCES:
+
+    def compile_for_arm(name: str) -> subprocess.CompletedProcess:
         cmd = [cross, *(a for a in command(name, "generic", Path(os.devnull))[1:]
                         if a not in ("-shared", "-O3") and not a.startswith(("-l", "-L"))), "-O0", "-c"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # one compiler per core
+        for name, proc in zip(SOURCES, pool.map(compile_for_arm, SOURCES)):
+            assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"

@@ -5,26 +5,40 @@ and bf16 (HF in the same dtype)."""
 import pytest
 
 from server.engine import EngineConfig, LLMEngine, SamplingParams
-from tests.reference import generate_and_check, tiny_oracle
+from tests.conftest import ORACLE_TOKENS
+from tests.reference import generate_and_check
 from tests.tiny import CORPUS, mixed_prompts
 
 ARCHS = ["llama", "mistral", "gpt2"]  # GQA, MQA, MHA
-NUM_TOKENS = 24
+NUM_TOKENS = ORACLE_TOKENS  # the session oracle's length (tests/conftest.py)
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
 
 
 MODES = [("compiled", "float32"), ("eager", "float32"), ("compiled", "bfloat16"), ("eager", "bfloat16")]
+SERVING = ("compiled", "float32")  # the step a tiny (non-GGUF) model serves on
 
 
-@pytest.fixture(scope="module")
-def oracle(tiny_checkpoints):
-    return tiny_oracle(tiny_checkpoints, NUM_TOKENS)
+def cases(every_mode: bool = False, isa: bool = False) -> list:
+    """(mode, arch) over every mode x arch. CI keeps every arch in the serving mode (the features
+    reach each arch's own attention over cached keys: RoPE scalings, learned positions) and, where
+    `every_mode`, every mode (the step and the dtype's numerics); the rest of the product is
+    `exhaustive` (make test-all): the scheduler does the same in every mode, and the feature's
+    attention path is the one the serving mode ran. `isa`: the fp32 cases run again under the
+    AVX2 cap (make test-isa), one pass per family through both steps."""
+    out = []
+    for mode in MODES:
+        for arch in ARCHS:
+            marks = [] if every_mode or mode == SERVING else [pytest.mark.exhaustive]
+            if isa and mode[1] == "float32":
+                marks.append(pytest.mark.isa)
+            out.append(pytest.param(mode, arch, id=f"{'-'.join(mode)}-{arch}", marks=marks))
+    return out
 
 
-@pytest.fixture(params=MODES, ids=["-".join(m) for m in MODES])
-def setup(oracle, request):
-    """(oracle for an arch in this test's dtype, engine factory for its step mode)."""
-    step, dtype = request.param
+@pytest.fixture
+def setup(oracle, mode):
+    """(oracle for an arch in this mode's dtype, engine factory for its step)."""
+    step, dtype = mode
 
     def engine_for(model, tok, **kw):
         cfg = dict(model="tiny", dtype=dtype, num_blocks=256, block_size=4, max_num_batched_tokens=512,
@@ -38,7 +52,7 @@ def run_and_check(engine, prompts, expected):
     return generate_and_check(engine, prompts, GREEDY, expected)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode,arch", cases())
 def test_alone(arch, setup):
     oracle, engine_for = setup
     model, tok, expected = oracle(arch)
@@ -47,7 +61,7 @@ def test_alone(arch, setup):
         run_and_check(engine, [prompt], expected)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode,arch", cases(every_mode=True, isa=True))
 def test_16_mixed_length_requests_at_once(arch, setup):
     oracle, engine_for = setup
     model, tok, expected = oracle(arch)
@@ -58,7 +72,7 @@ def test_16_mixed_length_requests_at_once(arch, setup):
     assert engine.num_steps < 16 * NUM_TOKENS / 4  # they really ran together
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode,arch", cases())
 def test_preemption_by_recompute(arch, setup):
     oracle, engine_for = setup
     model, tok, expected = oracle(arch)
@@ -69,7 +83,7 @@ def test_preemption_by_recompute(arch, setup):
     assert engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode,arch", cases())
 def test_chunked_prefill(arch, setup):
     oracle, engine_for = setup
     model, tok, expected = oracle(arch)
@@ -79,7 +93,7 @@ def test_chunked_prefill(arch, setup):
     assert engine.scheduler.num_partial_prefills > 0
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode,arch", cases())
 def test_shared_prefix_from_prefix_cache(arch, setup):
     oracle, engine_for = setup
     model, tok, expected = oracle(arch)
@@ -91,7 +105,7 @@ def test_shared_prefix_from_prefix_cache(arch, setup):
     assert engine.scheduler.num_prefix_hits >= 5 * 40
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode,arch", cases())
 def test_identical_prompt_twice_hits_all_but_the_last_block(arch, setup):
     oracle, engine_for = setup
     model, tok, expected = oracle(arch)
@@ -103,6 +117,7 @@ def test_identical_prompt_twice_hits_all_but_the_last_block(arch, setup):
     assert engine.scheduler.num_prefix_hits - before == 36  # the last block is recomputed for logits
 
 
+@pytest.mark.parametrize("mode", MODES, ids=["-".join(m) for m in MODES])
 def test_preemption_chunking_and_prefix_cache_together(setup):
     oracle, engine_for = setup
     model, tok, expected = oracle("llama")

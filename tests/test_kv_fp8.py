@@ -16,6 +16,8 @@ from kvcache.storage import KVCacheSpec, PagedKVCache
 from models.attention import DenseAttention, reference_attention
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 
+pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
+
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 

@@ -9,6 +9,8 @@ from models.config import RopeConfig
 from tests.reference import dense_greedy, hf_greedy, load_hf
 from tests.tiny import ARCHS
 
+pytestmark = pytest.mark.isa  # make test-isa runs this file again under the AVX2 cap
+
 PROMPTS = ["The capital of France is", "Beautiful is better than ugly. Explicit is",
            "0 1 2 3", "Keys and values are cached in blocks of sixteen tokens; queries attend to every"]
 

@@ -11,6 +11,8 @@ from kvcache.storage import KVCacheSpec, PagedKVCache
 from models.loader import load_for_serving
 from models.native_decoder import NativeDecoder, unsupported
 
+pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
+
 BLOCK = 4
 # two prompts prefilled together; then both decode while a third prompt's first chunk prefills
 STEPS = [([7, 5], [0, 0]), ([1, 1, 3], [7, 5, 0]), ([1, 1, 1], [8, 6, 3])]

@@ -16,6 +16,8 @@ from server.engine.config import parse_size
 from models.attention import reference_attention
 from tests.reference import hf_greedy, load_hf
 
+pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -9,6 +9,8 @@ from torch import nn
 from models.cpu_linear import PanelLinear, pack_linears, panel_library
 from models.cpu_path import fits_bf16
 
+pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
+
 
 def bf16_valued(*shape, generator=None):
     return torch.randn(*shape, generator=generator).bfloat16().float()

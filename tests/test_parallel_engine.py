@@ -2,6 +2,7 @@
 tokens of the unsharded engine: with batching, preemption, chunked prefill and prefix hits, in
 fp32 exactly and in bf16 up to a near-tie; the pipeline keeps micro-batches in flight; a worker
 that dies ends the engine's steps with an error, never a hang."""
+import functools
 import os
 import signal
 import threading
@@ -12,7 +13,7 @@ from models.parallel import Shard
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.executor import WorkerDiedError
 from tests.reference import assert_greedy_close
-from tests.tiny import make_checkpoint, mixed_prompts, train_tokenizer
+from tests.tiny import mixed_prompts, train_tokenizer
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
 # small pool, small token budget: requests are preempted and prompts prefilled in chunks
@@ -21,10 +22,9 @@ TIGHT = dict(block_size=4, num_blocks=48, kv_cache_memory=None, max_num_batched_
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parallel")
-    # llama: GQA 4 / 2 heads, tied embeddings; gemma2: sliding-window and global layers, soft-caps
-    return {arch: make_checkpoint(root / arch, arch) for arch in ("llama", "gemma2")}
+def checkpoints(tiny_checkpoints, variant_checkpoints):
+    # llama: GQA 4 / 2 heads, tied embeddings, sharded files; gemma2: sliding-window and global layers, soft-caps
+    return {"llama": tiny_checkpoints["llama"], "gemma2": variant_checkpoints["gemma2"]}
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +36,15 @@ def prompts():
 
 
 def reference(path, prompts, dtype="float32"):
-    engine = LLMEngine(EngineConfig(model=str(path), dtype=dtype, block_size=4, num_blocks=512,
+    """The unsharded engine's outputs: computed once per model, prompts and dtype."""
+    return _reference(str(path), tuple(map(tuple, prompts)), dtype)
+
+
+@functools.cache
+def _reference(path: str, prompts: tuple, dtype: str):
+    engine = LLMEngine(EngineConfig(model=path, dtype=dtype, block_size=4, num_blocks=512,
                                     kv_cache_memory=None, enforce_eager=True))
-    return [g[0] for g in engine.generate(prompts, GREEDY)]
+    return [g[0] for g in engine.generate([list(p) for p in prompts], GREEDY)]
 
 
 def check(engine, prompts, expected):
@@ -54,8 +60,14 @@ def check(engine, prompts, expected):
     assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.in_flight
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+# CI: GQA Llama at TP=2 and at PP=2, Gemma 2 (windows, soft-caps) at TP=2 x PP=2 (both paths over
+# its grouped pool); the other three pairs are exhaustive (make test-all)
+SHARDED = [pytest.param(arch, tp, pp, id=f"{arch}-{tp}-{pp}", marks=[] if (arch, tp, pp) in
+                        {("llama", 2, 1), ("llama", 1, 2), ("gemma2", 2, 2)} else [pytest.mark.exhaustive])
+           for arch in ("llama", "gemma2") for tp, pp in ((2, 1), (1, 2), (2, 2))]
+
+
+@pytest.mark.parametrize("arch,tp,pp", SHARDED)
 def test_sharded_greedy_equals_unsharded(arch, tp, pp, checkpoints, prompts, ray_session):
     expected = reference(checkpoints[arch], prompts)
     engine = LLMEngine(EngineConfig(model=str(checkpoints[arch]), dtype="float32", tensor_parallel_size=tp,
@@ -74,7 +86,8 @@ def test_sharded_greedy_equals_unsharded(arch, tp, pp, checkpoints, prompts, ray
         engine.executor.shutdown()
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("tp,pp", [pytest.param(2, 1, marks=pytest.mark.exhaustive),
+                                   pytest.param(1, 2, marks=pytest.mark.exhaustive), (2, 2)])  # CI: both at once
 def test_bf16_compiled_sharded(tp, pp, checkpoints, prompts, ray_session):
     expected = reference(checkpoints["llama"], prompts, "bfloat16")
     engine = LLMEngine(EngineConfig(model=str(checkpoints["llama"]), dtype="bfloat16", tensor_parallel_size=tp,

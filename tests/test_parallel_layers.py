@@ -20,6 +20,8 @@ from models.quant_formats import QuantizedTensor, quantize_rtn
 from models.rope import rope_cos_sin
 from tests.parallel_helpers import TOKENS, gguf_logits, gpt2_like, layer_outputs, llama, load, run_ranks, stage_logits
 
+pytestmark = pytest.mark.isa  # make test-isa runs this file again under the AVX2 cap
+
 TOLERANCE = 1e-5  # fp32: the all-reduce sums the partial products in another order
 
 

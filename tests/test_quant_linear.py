@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from models.quant_formats import QuantizedTensor, quantize_rtn
 from models.quant_linear import QuantEmbedding, QuantLinear, quant_library
 
+pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
+
 ROWS = [1, 2, 3, 7, 32, 300]  # decode (code tiles), the crossover, prefill (dequantized panels)
 
 

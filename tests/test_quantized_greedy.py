@@ -5,7 +5,6 @@ cache, on the native (models/native_decoder.py), the compiled and the eager step
 from __future__ import annotations
 
 import json
-import random
 import re
 import shutil
 from pathlib import Path
@@ -27,6 +26,8 @@ from tests.gguf_blocks import quantize_blocks
 from tests.reference import assert_greedy_close, load_hf, memoised_greedy
 from tests.tiny import CORPUS, mixed_prompts
 from tests.tiny_gguf import MIXED, TOKENIZER_FILES, make_tiny_llama_256, reference_dir, write_tiny_gguf
+
+pytestmark = pytest.mark.isa  # make test-isa runs this file again under the AVX2 cap
 
 NUM_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)

@@ -3,8 +3,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -12,7 +10,6 @@ import httpx
 import pytest
 
 from loadtests import abort_storm, overload
-from loadtests.servers import free_port
 
 CHAOS_APP, CHAOS_KEY = "attnserve-chaos", "chaos-key"
 AUTH = {"Authorization": f"Bearer {CHAOS_KEY}"}
@@ -32,7 +29,7 @@ def chaos_url(serve_url, tiny_variants):
     cfg = ServeConfig(models={"chaos": str(tiny_variants["tiny-gqa"])},
                       engine=EngineConfig(dtype="float32", block_size=4, kv_cache_memory=None, num_blocks=48,
                                           max_model_len=160, max_num_batched_tokens=64, max_num_seqs=8,
-                                          max_waiting=16, num_threads=1),
+                                          max_waiting=16, num_threads=1, enforce_eager=True),
                       num_cpus=0.25, api_key=CHAOS_KEY, separate_ingress=True,
                       limits=ApiLimits(max_tokens=100))
     serve.run(build_app(cfg), name=CHAOS_APP, route_prefix="/chaos")
@@ -188,7 +185,7 @@ def test_one_model_app_serves_http_from_its_model_replica(chaos_url, serve_url, 
 
     cfg = ServeConfig(models={"chaos": str(tiny_variants["tiny-mqa"])}, num_cpus=0.25, api_key=CHAOS_KEY,
                       engine=EngineConfig(dtype="float32", block_size=4, kv_cache_memory=None, num_blocks=64,
-                                          max_model_len=160, num_threads=1))
+                                          max_model_len=160, num_threads=1, enforce_eager=True))
     serve.run(build_app(cfg), name="attnserve-direct", route_prefix="/direct")
     url = f"{serve_url}/direct"
     try:
@@ -234,39 +231,6 @@ def test_ten_megabyte_body_is_413(chaos_url):
     r = httpx.post(f"{chaos_url}/v1/completions", content=big, headers={**AUTH, "content-type": "application/json"},
                    timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-
-
-def test_graceful_shutdown_on_sigterm(tiny_variants):
-    port = free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    exe = os.path.join(os.path.dirname(sys.executable), "attnserve")
-    proc = subprocess.Popen([exe, "serve", "--port", str(port), "--model", f"tiny={tiny_variants['tiny-mha']}",
-                             "--dtype", "float32", "--num-blocks", "128", "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    for line in proc.stdout:
-        if "attnserve is up" in line:
-            break
-    body = {"model": "tiny", "prompt": "1 2 3", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
-    outs, threads = [], []
-    for _ in range(3):
-        out, started = [], threading.Event()
-        t = threading.Thread(target=stream_lines, args=(url, body, {}, out, started), daemon=True)
-        t.start()
-        started.wait(60)
-        outs.append(out)
-        threads.append(t)
-    proc.send_signal(signal.SIGTERM)
-    for t in threads:
-        t.join(timeout=120)
-        assert not t.is_alive(), "an in-flight request hung through shutdown"
-    rest, _ = proc.communicate(timeout=120)
-    print(rest[-3000:])
-    assert proc.returncode == 0, rest
-    for out in outs:  # drained to the end, or cut cleanly: never left hanging
-        lines = [v for k, v in out if k == "line"]
-        assert lines and (lines[-1] == "data: [DONE]" or any(k == "exception" for k, _ in out))
-    assert sum(1 for out in outs if [v for k, v in out if k == "line"][-1] == "data: [DONE]") >= 1
 
 
 def test_greedy_output_is_identical_alone_batched_preempted_and_cached(tiny_checkpoints):

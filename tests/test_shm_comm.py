@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
+
 MAX_BYTES = 1 << 16  # 16 Ki float32 elements
 
 

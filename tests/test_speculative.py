@@ -16,11 +16,12 @@ from server.engine.proposers import ngram_lookup
 from server.engine.rejection_sampler import verify
 from server.engine.sampler import SamplingBatch, apply_filters
 from server.engine.spec_config import SpeculativeConfig
-from tests.reference import assert_greedy_close, tiny_oracle
+from tests.conftest import ORACLE_TOKENS
+from tests.reference import assert_greedy_close
 from tests.tiny import hf_config, make_checkpoint, mixed_prompts, train_tokenizer
 
 ARCHS = ["llama", "mistral", "gpt2"]  # GQA, MQA, MHA
-NUM_TOKENS = 24
+NUM_TOKENS = ORACLE_TOKENS  # the session oracle's length (tests/conftest.py)
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
 # NOTE: auto_disable off: these tests need drafts in every step that can have them, fast or not
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -32,11 +33,6 @@ def other_seed(tiny_checkpoints, tmp_path_factory):
     """Per arch: the same architecture and tokenizer with other random weights: a draft mostly rejected."""
     root = tmp_path_factory.mktemp("draft")
     return {arch: make_checkpoint(root / arch, arch, seed=1) for arch in ARCHS}
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny_checkpoints):
-    return tiny_oracle(tiny_checkpoints, NUM_TOKENS)
 
 
 def proposers(arch, tiny_checkpoints, other_seed):
@@ -68,9 +64,25 @@ def assert_nothing_held(engine):
         assert draft.num_free_blocks == draft.num_blocks and not engine.proposer.num_computed
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
-@pytest.mark.parametrize("proposer", ["ngram", "draft_same", "draft_other"])
-@pytest.mark.parametrize("arch", ARCHS)
+PROPOSERS = ["ngram", "draft_same", "draft_other"]
+
+
+def spec_cases() -> list:
+    """arch x proposer x scenario. CI: the GQA model through every pair; the other archs through
+    every proposer in a batch and every scenario with n-grams (their attention over drafted rows and
+    over cached keys); the rest is `exhaustive` (make test-all): which proposer drafted does not
+    change how a scenario trims blocks, the GQA cases run each pair."""
+    out = []
+    for arch in ARCHS:
+        for proposer in PROPOSERS:
+            for scenario in SCENARIOS:
+                kept = arch == "llama" or scenario == "batch" or proposer == "ngram"
+                out.append(pytest.param(arch, proposer, scenario, id=f"{arch}-{proposer}-{scenario}",
+                                        marks=[] if kept else [pytest.mark.exhaustive]))
+    return out
+
+
+@pytest.mark.parametrize("arch,proposer,scenario", spec_cases())
 def test_greedy_equals_hf(arch, proposer, scenario, oracle, tiny_checkpoints, other_seed):
     model, tok, expected = oracle(arch)
     settings, happened = SCENARIOS[scenario]

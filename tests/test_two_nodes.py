@@ -1,5 +1,6 @@
-"""Two Ray nodes on one machine (`ray start --head` + `ray start --address`), `attnserve serve
---address` with a model replica on each, and the second node's raylet killed under load.
+"""Two Ray nodes on one machine (`ray start --head` + `ray start --address`), one cluster for the
+module: bench_parallel's TP=2 / PP=2 forms on it, `attnserve serve --address` with a pipeline stage on
+each node, then with a model replica on each, and the second node's raylet killed under load.
 
 Node A (head) holds the ingress, the metrics hub and one replica; node B the other replica
 (custom resources place them); the ingress's cache-aware router spreads prompts that share no
@@ -14,17 +15,18 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
-from loadtests.servers import BIN, free_port, running
+from loadtests.servers import BIN, ROOT, free_port, running
 
+pytestmark = pytest.mark.e2e
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
 
 
@@ -111,19 +113,23 @@ class Load(threading.Thread):
             t.join()
 
 
-@contextmanager
-def two_nodes(node_b_resources: dict):
-    """A head node and node B on this machine (1 CPU each); yields (GCS address, temp dir, node B's
-    `ray start` arguments); every process of the cluster is killed after."""
+@pytest.fixture(scope="module")
+def cluster():
+    """A head node and node B on this machine (1 CPU each), for every test here (the one that kills
+    B's raylet runs last); yields (GCS address, temp dir, node B's `ray start` arguments, HTTP port);
+    every process of the cluster is killed after.
+
+    NOTE: one HTTP port for every `attnserve serve --address` here: Serve's proxy keeps the port
+    of the first application a cluster starts, and a later one's --port is not where it answers."""
     temp_dir = tempfile.mkdtemp(prefix="attnserve-2n-", dir="/tmp")  # NOTE: every process of this cluster names it
     address = f"127.0.0.1:{free_port()}"
-    node_b = ["--address", address, "--resources", json.dumps(node_b_resources)]
+    node_b = ["--address", address, "--resources", json.dumps({"replica_slot": 1, "node_b": 1})]
     try:
         ray_start("--head", "--include-dashboard", "false", "--port", address.rsplit(":", 1)[1], "--temp-dir", temp_dir,
                   "--ray-client-server-port",
                   str(free_port()), "--resources", json.dumps({"replica_slot": 1, "head": 1}), *node_ports(0))
         ray_start(*node_b, *node_ports(1))
-        yield address, temp_dir, node_b
+        yield address, temp_dir, node_b, free_port()
     finally:
         for pid in pids_with(temp_dir):
             try:
@@ -133,56 +139,29 @@ def two_nodes(node_b_resources: dict):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.mark.slow
-def test_second_node_killed_under_load_then_rejoins(tiny_variants, tmp_path):
-    http_port = free_port()
-    with two_nodes({"replica_slot": 1, "node_b": 1}) as (address, temp_dir, node_b):
-        cmd = [str(BIN / "attnserve"), "serve", "--address", address, "--port", str(http_port),
-               "--proxy-location", "HeadOnly", "--model", f"tiny={tiny_variants['tiny-gqa']}", "--replicas", "2",
-               "--num-cpus", "0.5", "--dtype", "float32", "--enforce-eager", "--kv-cache-memory", "4MiB",
-               "--replica-resources", '{"replica_slot": 1}', "--ingress-resources", '{"head": 0.01}']
-        url = f"http://127.0.0.1:{http_port}"
-        with running(cmd, url, tmp_path / "serve.log", timeout=300):
-            nodes = wait_for(lambda: (lambda n: n if len(n) == 2 else None)(replicas_by_node(url)), 120,
-                             "a replica on each node")
-            assert sorted(len(ids) for ids in nodes.values()) == [1, 1]
-            metrics = httpx.get(f"{url}/metrics", timeout=30).text
-            assert 'attnserve_replicas{attention="gqa",kv_cache_dtype="float32",kv_heads="2",model="tiny"} 2.0' in metrics  # both nodes summed
-
-            load = Load(url)
-            load.start()
-            wait_for(lambda: len(load.outcomes) >= 8, 60, "traffic before the kill")
-            raylet_b = [p for p in pids_with(temp_dir, "raylet") if p in pids_with('"node_b"', "raylet")
-                        or p in pids_with("node_b", "raylet")]
-            assert len(raylet_b) == 1, raylet_b
-            killed_at = time.monotonic()
-            os.kill(raylet_b[0], signal.SIGKILL)
-
-            # traffic goes on through node A
-            wait_for(lambda: sum(1 for t, o in load.outcomes if t > killed_at + 5 and o == "ok") >= 8, 90,
-                     "requests completing on node A after the kill")
-            ray_start(*node_b, *node_ports(2))  # node B rejoins; Serve places the replica there again
-            wait_for(lambda: (lambda n: n if len(n) == 2 else None)(replicas_by_node(url)), 180,
-                     "the replica back on the rejoined node")
-            load.stop.set()
-            load.join(timeout=60)
-            assert not load.is_alive()  # every stream ended: none hung past its timeout
-            outcomes = [o for _, o in load.outcomes]
-            assert set(outcomes) <= {"ok", "error-event", "http-5xx"}
-            assert outcomes.count("ok") > len(outcomes) // 2
-            # no block left held on the live replicas (the dead one's last report goes stale in 15 s)
-            wait_for(lambda: httpx.get(f"{url}/dashboard/data", timeout=30).json()["models"][0]["kv_blocks_used"] == 0,
-                     40, "every KV block free")
-            # NOTE: B's streams in flight at the kill end either way: with an error, or complete when its
-            # worker outlives its raylet for a moment; what must never happen is a hang (timeout above)
-            # B's replica did die: the controller saw its actor crash, or its node's death (which of the two
-            # it logs first depends on when the GCS misses B's heartbeats)
-            log = (tmp_path / "serve.log").read_text()
-            assert "its node has died" in log or re.search(r"Replica\(id='\w+', deployment='model-tiny'.*\) crashed", log)
+def test_bench_parallel_quick_run(cluster, tiny_checkpoints, tmp_path):
+    """loadtests/bench_parallel.py on this cluster (`--address`): one process, TP=2 and PP=2 (a
+    stage on each node) on the tiny model, with the workers' communication timers."""
+    out = tmp_path / "parallel.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "loadtests" / "bench_parallel.py"), "--address", cluster[0],
+                           "--model", str(tiny_checkpoints["llama"]), "--forms", "tp1,tp2,pp2", "--repeats", "1",
+                           "--batch", "2", "--prompt-len", "16", "--max-tokens", "4", "--enforce-eager",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["tp1", "tp2", "pp2"]
+    for form in ("tp2", "pp2"):
+        r = results[form]
+        assert r["ms_per_token_b1"] > 0 and r["tokens_per_s"] > 0 and len(r["workers"]) == 2
+        ranks = r["comm_b2"]["ranks"]
+        assert all(x["steps"] > 0 and 0 < x["step_ms"] and x["comm_ms"] <= x["step_ms"] for x in ranks)
+    assert all(x["collective_ms"] > 0 for x in results["tp2"]["comm_b1"]["ranks"])  # shared-memory all-reduces
+    assert results["pp2"]["comm_b1"]["ranks"][1]["recv_ms"] > 0  # stage 1 waits on stage 0's hidden states
+    assert "comm ms/step" in proc.stdout and "pp2" in proc.stdout
 
 
 @pytest.mark.slow
-def test_pipeline_stages_on_two_nodes(tiny_variants, tmp_path):
+def test_pipeline_stages_on_two_nodes(cluster, tiny_variants, tmp_path):
     """`attnserve serve --pipeline-parallel-size 2` on two Ray nodes: one stage on each (SPREAD),
     hidden states sent between them, the unsharded model's greedy text."""
     from server.engine import EngineConfig, LLMEngine, SamplingParams
@@ -193,19 +172,65 @@ def test_pipeline_stages_on_two_nodes(tiny_variants, tmp_path):
     prompts = ["Beautiful is better than", "Errors should never pass", "Now is better than never"]
     expected = [g[0].text for g in engine.generate([engine.tokenizer(p)["input_ids"] for p in prompts],
                                                     SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))]
-    http_port = free_port()
-    with two_nodes({"node_b": 1}) as (address, _, _):
-        cmd = [str(BIN / "attnserve"), "serve", "--address", address, "--port", str(http_port),
-               "--proxy-location", "HeadOnly", "--model", f"tiny={path}", "--pipeline-parallel-size", "2",
-               "--num-cpus", "1", "--dtype", "float32", "--enforce-eager", "--num-blocks", "128"]
-        url = f"http://127.0.0.1:{http_port}"
-        with running(cmd, url, tmp_path / "serve.log", timeout=300):
-            (model,) = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
-            stages = sorted(model["workers"], key=lambda w: w["pp_rank"])
-            assert model["pipeline_parallel_size"] == 2 and [w["pp_rank"] for w in stages] == [0, 1]
-            assert stages[0]["node_id"] != stages[1]["node_id"]  # one stage per node
-            assert stages[0]["layers"][1] == stages[1]["layers"][0]
-            for prompt, text in zip(prompts, expected):
-                r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-                    "model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
-                assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+    http_port = cluster[3]
+    cmd = [str(BIN / "attnserve"), "serve", "--address", cluster[0], "--port", str(http_port),
+           "--proxy-location", "HeadOnly", "--model", f"tiny={path}", "--pipeline-parallel-size", "2",
+           "--num-cpus", "1", "--dtype", "float32", "--enforce-eager", "--num-blocks", "128"]
+    url = f"http://127.0.0.1:{http_port}"
+    with running(cmd, url, tmp_path / "serve.log", timeout=300):
+        (model,) = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+        stages = sorted(model["workers"], key=lambda w: w["pp_rank"])
+        assert model["pipeline_parallel_size"] == 2 and [w["pp_rank"] for w in stages] == [0, 1]
+        assert stages[0]["node_id"] != stages[1]["node_id"]  # one stage per node
+        assert stages[0]["layers"][1] == stages[1]["layers"][0]
+        for prompt, text in zip(prompts, expected):
+            r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+
+
+@pytest.mark.slow
+def test_second_node_killed_under_load_then_rejoins(cluster, tiny_variants, tmp_path):
+    address, temp_dir, node_b, http_port = cluster
+    cmd = [str(BIN / "attnserve"), "serve", "--address", address, "--port", str(http_port),
+           "--proxy-location", "HeadOnly", "--model", f"tiny={tiny_variants['tiny-gqa']}", "--replicas", "2",
+           "--num-cpus", "0.5", "--dtype", "float32", "--enforce-eager", "--kv-cache-memory", "4MiB",
+           "--replica-resources", '{"replica_slot": 1}', "--ingress-resources", '{"head": 0.01}']
+    url = f"http://127.0.0.1:{http_port}"
+    with running(cmd, url, tmp_path / "serve.log", timeout=300):
+        nodes = wait_for(lambda: (lambda n: n if len(n) == 2 else None)(replicas_by_node(url)), 120,
+                         "a replica on each node")
+        assert sorted(len(ids) for ids in nodes.values()) == [1, 1]
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert 'attnserve_replicas{attention="gqa",kv_cache_dtype="float32",kv_heads="2",model="tiny"} 2.0' in metrics  # both nodes summed
+
+        load = Load(url)
+        load.start()
+        wait_for(lambda: len(load.outcomes) >= 8, 60, "traffic before the kill")
+        raylet_b = [p for p in pids_with(temp_dir, "raylet") if p in pids_with('"node_b"', "raylet")
+                    or p in pids_with("node_b", "raylet")]
+        assert len(raylet_b) == 1, raylet_b
+        killed_at = time.monotonic()
+        os.kill(raylet_b[0], signal.SIGKILL)
+
+        # traffic goes on through node A
+        wait_for(lambda: sum(1 for t, o in load.outcomes if t > killed_at + 5 and o == "ok") >= 8, 90,
+                 "requests completing on node A after the kill")
+        ray_start(*node_b, *node_ports(2))  # node B rejoins; Serve places the replica there again
+        wait_for(lambda: (lambda n: n if len(n) == 2 else None)(replicas_by_node(url)), 180,
+                 "the replica back on the rejoined node")
+        load.stop.set()
+        load.join(timeout=60)
+        assert not load.is_alive()  # every stream ended: none hung past its timeout
+        outcomes = [o for _, o in load.outcomes]
+        assert set(outcomes) <= {"ok", "error-event", "http-5xx"}
+        assert outcomes.count("ok") > len(outcomes) // 2
+        # no block left held on the live replicas (the dead one's last report goes stale in 15 s)
+        wait_for(lambda: httpx.get(f"{url}/dashboard/data", timeout=30).json()["models"][0]["kv_blocks_used"] == 0,
+                 40, "every KV block free")
+        # NOTE: B's streams in flight at the kill end either way: with an error, or complete when its
+        # worker outlives its raylet for a moment; what must never happen is a hang (timeout above)
+        # B's replica did die: the controller saw its actor crash, or its node's death (which of the two
+        # it logs first depends on when the GCS misses B's heartbeats)
+        log = (tmp_path / "serve.log").read_text()
+        assert "its node has died" in log or re.search(r"Replica\(id='\w+', deployment='model-tiny'.*\) crashed", log)
