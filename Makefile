@@ -60,19 +60,21 @@ test: install system-deps
 
 # The developer's loop: unit, engine and kernel tests; no Ray, no server, nothing marked slow.
 test-fast: install
-	$(PY) -m pytest -q -m "not e2e and not slow and not exhaustive" $(DURATIONS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not e2e and not slow and not exhaustive and not caps" $(DURATIONS) $(PYTEST_ARGS)
 
 # Everything, the exhaustive cross-products (every model type x feature x mode) included. Not in CI.
 test-all: install system-deps
 	$(PY) -m pytest -q -m "" $(DURATIONS) $(PYTEST_ARGS)
 
-# What the ISA caps change, on any machine: the kernels and linear paths (marked `kernel`) and one
-# greedy-parity pass per model family (`isa`) with the ISA capped at AVX2 (torch, oneDNN, inductor
-# and our kernels all follow ATTNSERVE_CPU_ISA), then the kernels once more on the portable build.
+# What the ISA caps change, on any machine: every library built at AVX2 and the portable level (side
+# by side), the tests of capped runs and lower builds (`caps`, only here), the kernels and linear
+# paths (`kernel`) and one greedy-parity pass per model family (`isa`) with the ISA capped at AVX2
+# (torch, oneDNN, inductor and our kernels all follow ATTNSERVE_CPU_ISA), then the kernels once more
+# on the portable build.
 # Serve and HTTP do not depend on the ISA: they run once, in `make test`. CI runs it after `make test`.
 test-isa: install system-deps
 	$(PY) -m models.native --levels avx2,generic
-	ATTNSERVE_CPU_ISA=avx2 $(PY) -m pytest -q -m "(kernel or isa) and not exhaustive" $(DURATIONS) $(PYTEST_ARGS)
+	ATTNSERVE_CPU_ISA=avx2 $(PY) -m pytest -q -m "(kernel or isa or caps) and not exhaustive" $(DURATIONS) $(PYTEST_ARGS)
 	ATTNSERVE_CPU_ISA=generic $(PY) -m pytest -q -m "kernel and not slow and not exhaustive" $(DURATIONS) $(PYTEST_ARGS)
 
 # Headless locust against `attnserve serve` started for the run (or LOADTEST_ARGS="--url ...").

@@ -186,17 +186,21 @@ def profile_decode(engine: LLMEngine, steps: dict) -> None:
 
 def startup_times(args) -> dict:
     """Seconds to construct the engine (load, pack, compile or load the compiled step), in a fresh
-    process: first with an empty compile cache, then again with the cache that run left."""
-    code = ("import time, torch; t = time.perf_counter(); from server.engine import EngineConfig, LLMEngine; "
+    process: first with an empty compile cache, then again with the cache that run left; and the
+    compiled graphs each run found in inductor's cache (`cache`: hits and misses), which say that the
+    warm start did load what the cold one compiled."""
+    code = ("import json, time, torch; t = time.perf_counter(); from server.engine import EngineConfig, LLMEngine; "
             f"LLMEngine(EngineConfig(model={args.model!r}, dtype={args.dtype!r}, num_blocks=64)); "
-            "print(time.perf_counter() - t)")
-    out = {}
+            "from torch._dynamo.utils import counters; c = counters['inductor']; "
+            "print(json.dumps([time.perf_counter() - t, c['fxgraph_cache_hit'], c['fxgraph_cache_miss']]))")
+    out = {"cache": {}}
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
         for kind in ("cold", "warm"):
             proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                                   check=True)
-            out[kind] = float(proc.stdout.strip().splitlines()[-1])
+            out[kind], hits, misses = json.loads(proc.stdout.strip().splitlines()[-1])
+            out["cache"][kind] = {"hits": hits, "misses": misses}
     return out
 
 
@@ -349,7 +353,9 @@ def print_table(args, results: dict) -> None:
               f"(compile / load of the compiled step {ours['compile_s']:.1f} s)\nattnserve path: {ours['cpu_path']}")
     if "startup" in results.get("attnserve", {}):
         s = ours["startup"]
-        print(f"attnserve engine start in a new process: cold compile cache {s['cold']:.1f} s, warm {s['warm']:.1f} s")
+        print(f"attnserve engine start in a new process: cold compile cache {s['cold']:.1f} s "
+              f"({s['cache']['cold']['misses']} graphs compiled), warm {s['warm']:.1f} s "
+              f"({s['cache']['warm']['hits']} loaded, {s['cache']['warm']['misses']} compiled)")
 
 
 def main(argv=None) -> dict:

@@ -42,6 +42,20 @@ async def one(client: httpx.AsyncClient, url: str, model: str, i: int, max_token
         return "completed", elapsed
 
 
+def settled_gauges(url: str, model: str, before: dict, num_finished: int, timeout_s: float = 10.0) -> dict:
+    """The gauges once the replicas have reported `num_finished` more finished requests.
+
+    NOTE: replicas push their counters every second (server/deployment.py REPORT_PERIOD_S): read
+    right after a short run, /metrics can still lack its last second (preemptions read 0)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = gauges(url, model)
+        done = after.get("attnserve_requests_total", 0.0) - before.get("attnserve_requests_total", 0.0)
+        if done >= num_finished or time.monotonic() > deadline:
+            return after
+        time.sleep(0.25)
+
+
 def run(url: str, model: str, concurrency: int = 200, max_tokens: int = 32, memory_bound_bytes: float = 512 * 2**20,
         api_key: str | None = None) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -71,7 +85,7 @@ def run(url: str, model: str, concurrency: int = 200, max_tokens: int = 32, memo
         outcomes[kind] = outcomes.get(kind, 0) + 1
     admitted = sorted(t for kind, t in results if kind == "completed")
     growth = peak["memory"] - before.get("attnserve_replica_resident_memory_bytes", 0.0)
-    after = gauges(url, model)
+    after = settled_gauges(url, model, before, outcomes.get("completed", 0))
     report = {
         "concurrency": concurrency, "seconds": round(time.monotonic() - start, 1), "outcomes": outcomes,
         "admitted_p50_s": statistics.median(admitted) if admitted else None,

@@ -126,17 +126,17 @@ def build_all(levels: list[str | None] | None = None, names: list[str] | None = 
         return list(pool.map(lambda job: build(*job), jobs))
 
 
-def _host_levels() -> list[str]:
+def host_levels() -> list[str]:
     """Every level this host's compiler can build (x86: all four; elsewhere: the portable one)."""
     return list(ISA_FLAGS) if read_cpu_features().is_x86 else ["generic"]
 
 
 def _levels(argv: list[str]) -> list[str | None]:
-    """`--all`: every level; `--levels avx2,generic`: those; nothing: this machine's."""
+    """`--all`: every level; `--levels avx2,generic`: those this host can build; nothing: this machine's."""
     if "--all" in argv:
-        return _host_levels()
+        return host_levels()
     if "--levels" in argv:
-        return argv[argv.index("--levels") + 1].split(",")
+        return [level for level in argv[argv.index("--levels") + 1].split(",") if level in host_levels()]
     return [None]
 
 

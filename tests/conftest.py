@@ -28,6 +28,18 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
+    # Whole files in three runs, each in its usual order: no server, then servers of their own, then
+    # the session's Ray. NOTE: once started, Ray's idle processes (controller, proxy, replicas, their
+    # engine processes) keep ~20% of a core busy until the session ends: every test after its first
+    # user is slower for it.
+    def kind(path: str) -> int:
+        if path in ray_files:
+            return 2
+        return 1 if path in e2e_files else 0
+    path = lambda item: item.nodeid.split("::")[0]  # noqa: E731
+    e2e_files = {path(i) for i in items if i.get_closest_marker("e2e")}
+    ray_files = {path(i) for i in items if "ray_session" in getattr(i, "fixturenames", ())}
+    items.sort(key=lambda item: kind(path(item)))  # stable: files and their tests keep their order
 
 
 @pytest.fixture(scope="session")
@@ -121,8 +133,10 @@ def serve_url(ray_session, tiny_variants) -> str:
 
     cfg = ServeConfig(
         models={name: str(path) for name, path in tiny_variants.items()},
+        # NOTE: eager: four replicas would compile three graphs at start; the compiled step in Serve
+        # replicas is tests/test_routing_e2e.py's (two replicas, one graph)
         engine=EngineConfig(dtype="float32", block_size=4, kv_cache_memory=None, num_blocks=256, max_model_len=256,
-                            max_num_batched_tokens=256, max_num_seqs=32, num_threads=1),
+                            max_num_batched_tokens=256, max_num_seqs=32, num_threads=1, enforce_eager=True),
         num_cpus=0.25, limits=ApiLimits(max_n=4, max_tokens=200, max_body_bytes=1024 * 1024),
         model_replicas={"tiny-gqa": 2},
     )

@@ -1,5 +1,6 @@
 """The engine benchmark script runs end to end on a tiny model and writes its JSON; vLLM, which
-lives in its own venv, is skipped (and says so) where that venv is missing, as in every test."""
+lives in its own venv, is skipped (and says so) where that venv is missing, as in every test. Its
+`--startup` run is also the test that a new process loads the compiled step from the disk cache."""
 import json
 
 from loadtests.bench_engine import STEP_BATCHES, main
@@ -22,12 +23,16 @@ def test_bench_engine_quick_run(tiny_checkpoints, tmp_path, capsys):
         assert set(row["step_ms"]) == {str(b) for b in STEP_BATCHES} and min(row["step_ms"].values()) > 0
         assert row["prefill_s"] > 0 and row["roofline_tokens_per_s"] > 0 and row["prefill_flops"] > 0
     assert data["attnserve"]["compile_s"] > 0 and data["attnserve_eager"]["compile_s"] == 0
-    assert data["attnserve"]["startup"]["cold"] > 0 and data["attnserve"]["startup"]["warm"] > 0
+    startup = data["attnserve"]["startup"]
+    assert startup["cold"] > 0 and startup["warm"] > 0
+    # a new process with an empty compile cache compiles; the next loads what it left, compiling nothing
+    assert startup["cache"]["cold"]["misses"] >= 1 and startup["cache"]["cold"]["hits"] == 0
+    assert startup["cache"]["warm"]["hits"] >= 1 and startup["cache"]["warm"]["misses"] == 0
     table = capsys.readouterr().out
     assert "hf_generate_batch" in table and "of the roofline" in table and "prefill GFLOP/s" in table
     assert "skipped:" in table and "make peers" in table
     assert "batch-1 decode profile" in table and "batch-32 decode profile" in table and "Self CPU time total" in table
-    assert "cold compile cache" in table and "attnserve path: device=cpu isa=" in table
+    assert "cold compile cache" in table and "graphs compiled" in table and "attnserve path: device=cpu isa=" in table
 
 
 def test_bench_structured_quick_run(tiny_checkpoints, tmp_path, capsys):

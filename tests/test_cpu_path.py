@@ -1,5 +1,8 @@
 """The CPU path: ISA levels from /proc/cpuinfo, caps, the choice as a pure function of what the
-machine can do, artifacts named by CPU features, and capped runs that really take the capped path."""
+machine can do, artifacts named by CPU features, and capped runs that really take the capped path.
+
+The tests marked `caps` need every library built at AVX2 and at the portable level (~2 min of
+compiling on 2 cores): `make test-isa` runs them, after building those levels; `make test` does not."""
 import json
 import os
 import shutil
@@ -186,9 +189,9 @@ def test_artifacts_are_named_by_level_and_cpu(monkeypatch, tmp_path):
 def lower_levels() -> None:
     """Every library at AVX2 and at the portable level, compiled side by side once: the capped runs
     below load them, and so does `make test-isa` after this file."""
-    from models.native import build_all
+    from models.native import build_all, host_levels
 
-    build_all(["avx2", "generic"])
+    build_all([level for level in ("avx2", "generic") if level in host_levels()])
 
 
 def _disassembly(path: Path) -> str:
@@ -196,6 +199,7 @@ def _disassembly(path: Path) -> str:
                           check=True).stdout
 
 
+@pytest.mark.caps
 @pytest.mark.slow  # the first user of lower_levels: ~2 min of compiling on 2 cores, once per cache
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86 levels")
 def test_lower_levels_hold_no_higher_instructions(lower_levels):
@@ -208,6 +212,7 @@ def test_lower_levels_hold_no_higher_instructions(lower_levels):
         assert "%ymm" not in generic and "%zmm" not in generic
 
 
+@pytest.mark.caps
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86 levels")
 def test_a_shared_cache_never_loads_another_cpus_kernel(tmp_path, lower_levels):
     """A cache directory shared with a machine of another level holds that machine's library
@@ -234,6 +239,7 @@ def test_a_shared_cache_never_loads_another_cpus_kernel(tmp_path, lower_levels):
         assert proc.stdout.split() == ["sdpa"] and "kernel is unavailable" in proc.stderr
 
 
+@pytest.mark.caps
 @pytest.mark.parametrize("cap", ["avx2", "generic"])
 def test_a_capped_run_takes_the_capped_path(cap, lower_levels):
     """`attnserve env` under a cap: torch, oneDNN, our kernels and inductor's cache all at the cap."""
@@ -263,8 +269,9 @@ def test_env_prints_the_chosen_paths():
     assert cpu_features.read_cpu_features().model in out
 
 
+@pytest.mark.caps
 @pytest.mark.slow
-def test_bfloat16_on_an_avx2_cap_answers_with_one_line_saying_it_is_slower(default_model_dir):
+def test_bfloat16_on_an_avx2_cap_answers_with_one_line_saying_it_is_slower(default_model_dir, lower_levels):
     """The README's question with an explicit --dtype bfloat16 on a CPU without bf16 arithmetic."""
     proc = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--prompt", "What is the capital of France?",
                            "--chat", "--max-tokens", "16", "--dtype", "bfloat16", "--enforce-eager",
@@ -278,6 +285,7 @@ def test_bfloat16_on_an_avx2_cap_answers_with_one_line_saying_it_is_slower(defau
     assert "without bf16 arithmetic" in lines[0]
 
 
+@pytest.mark.caps
 def test_processes_capped_early_and_late_share_a_compile_cache(tmp_path, tiny_checkpoints, lower_levels):
     """Under ATTNSERVE_CPU_ISA=avx2, a process that capped torch before it started and one whose
     torch started first (a script that imports torch before attnserve) compile the same model

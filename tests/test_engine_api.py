@@ -209,7 +209,7 @@ def test_cli_generate_json_in_input_order(parts, tmp_path):
     f.write_text("\n".join(json.dumps(x) for x in lines))
     exe = os.path.join(os.path.dirname(sys.executable), "attnserve")
     res = subprocess.run([exe, "generate", "--model", str(path), "--prompt-file", str(f), "--max-tokens", "7",
-                          "--ignore-eos", "--dtype", "float32", "--num-blocks", "64", "--json"],
+                          "--ignore-eos", "--dtype", "float32", "--num-blocks", "64", "--json", "--enforce-eager"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in res.stdout.splitlines()]

@@ -38,7 +38,7 @@ def routed_url(serve_url, tiny_variants):
 
     cfg = ServeConfig(models={"tiny": str(tiny_variants["tiny-gqa"])}, num_replicas=2, num_cpus=0.25,
                       engine=EngineConfig(dtype="float32", block_size=4, kv_cache_memory=None, num_blocks=48,
-                                          max_model_len=160, num_threads=1, enforce_eager=True))
+                                          max_model_len=160, num_threads=1))  # the compiled step, in replicas
     assert cfg.routes_by_cache("tiny")
     serve.run(build_app(cfg), name=APP, route_prefix="/routed")
     yield f"{serve_url}/routed"

@@ -220,7 +220,7 @@ def test_cli_serve_joins_an_existing_cluster(serve_url, tiny_variants):
     port = serve_url.rsplit(":", 1)[1]
     proc = subprocess.Popen([exe, "serve", "--address", address, "--app-name", "joined", "--route-prefix", "/joined",
                              "--port", port, "--model", f"tiny={tiny_variants['tiny-mqa']}", "--dtype", "float32",
-                             "--num-blocks", "64", "--num-cpus", "0.25", "--threads", "1"],
+                             "--num-blocks", "64", "--num-cpus", "0.25", "--threads", "1", "--enforce-eager"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     try:

@@ -162,15 +162,21 @@ def test_check_names_the_field_of_a_grammar_that_cannot_compile(spec, param):
     assert e.value.param == param and "cannot be compiled" in str(e.value)
 
 
+# CI: each of the 50 schemas once, half of them greedy and half sampled (one batch); every schema at
+# both temperatures is exhaustive (make test-all)
+SCHEMA_RUNS = [pytest.param("half", id="half-greedy-half-sampled"),
+               pytest.param(0.0, marks=pytest.mark.exhaustive), pytest.param(0.8, marks=pytest.mark.exhaustive)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("temperature", SCHEMA_RUNS)
 def test_default_model_answers_50_varied_schemas_validly(default_model_dir, temperature):
     """The default model, constrained: every answer parses and validates with jsonschema."""
     eng = LLMEngine(EngineConfig(model=str(default_model_dir), num_blocks=2048, max_num_seqs=64))
     prompts = [encode_prompt(eng.tokenizer, "default", messages=messages(what)) for what, _ in SCHEMAS]
-    ps = [SamplingParams(max_tokens=1024, temperature=temperature, seed=i,
-                         structured=StructuredOutput("json", json.dumps(schema)))
-          for i, (_, schema) in enumerate(SCHEMAS)]
+    temps = [(0.0, 0.8)[i % 2] if temperature == "half" else temperature for i in range(len(SCHEMAS))]
+    ps = [SamplingParams(max_tokens=1024, temperature=t, seed=i, structured=StructuredOutput("json", json.dumps(schema)))
+          for i, ((_, schema), t) in enumerate(zip(SCHEMAS, temps))]
     for (what, schema), group in zip(SCHEMAS, eng.generate(prompts, ps)):
         result = group[0]
         assert result.finish_reason == "stop", (what, result.text[-200:])
