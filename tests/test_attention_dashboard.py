@@ -13,7 +13,7 @@ import pytest
 
 from loadtests.servers import free_port
 from tests.test_observability_e2e import OUTPUT, chromium
-from tests.tiny import WINDOW, make_checkpoint
+from tests.tiny import WINDOW
 
 # the first is the page's default; Mistral: every layer slides; Gemma 2: sliding / global alternating;
 # Granite SWA: learned sinks on every layer
@@ -24,7 +24,7 @@ WHITE = (255, 255, 255)
 
 
 @pytest.fixture(scope="module")
-def page_url(tiny_checkpoints, tmp_path_factory):
+def page_url(tiny_checkpoints, variant_checkpoints):
     import uvicorn
 
     from server.engine import EngineConfig
@@ -33,9 +33,7 @@ def page_url(tiny_checkpoints, tmp_path_factory):
     from server.openai_api import ApiLimits, OpenAIApi
     from server.worker import ModelWorker
 
-    root = tmp_path_factory.mktemp("attention-page")
-    paths = {name: tiny_checkpoints[arch] if arch in tiny_checkpoints else make_checkpoint(root / arch, arch)
-             for name, arch in MODELS.items()}
+    paths = {name: {**tiny_checkpoints, **variant_checkpoints}[arch] for name, arch in MODELS.items()}
     workers = {}
     try:
         for name, path in paths.items():

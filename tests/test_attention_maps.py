@@ -49,7 +49,7 @@ API_PROMPT = " ".join(str(i % 17) for i in range(40))  # past tests/tiny.py's WI
 
 
 @pytest.fixture(scope="module")
-def attention_app(tiny_checkpoints, tmp_path_factory):
+def attention_app(tiny_checkpoints, variant_checkpoints):
     """name -> the ASGI app over that one model (a ModelWorker and its engine process), started on first
     use: a windowed model that fails to load fails its own tests only."""
     from server.engine import EngineConfig
@@ -57,13 +57,12 @@ def attention_app(tiny_checkpoints, tmp_path_factory):
     from server.local_client import LocalModelClient
     from server.openai_api import ApiLimits, OpenAIApi
     from server.worker import ModelWorker
-    from tests.tiny import make_checkpoint
 
-    root, workers = tmp_path_factory.mktemp("attention-api"), {}
+    workers = {}
     sources = {"tiny": lambda: tiny_checkpoints["llama"],
-               "tiny-window": lambda: make_checkpoint(root / "mistral-window", "mistral-window"),
-               "tiny-gemma2": lambda: make_checkpoint(root / "gemma2", "gemma2"),
-               "tiny-granite": lambda: make_checkpoint(root / "granite_swa", "granite_swa")}
+               "tiny-window": lambda: variant_checkpoints["mistral-window"],
+               "tiny-gemma2": lambda: variant_checkpoints["gemma2"],
+               "tiny-granite": lambda: variant_checkpoints["granite_swa"]}
 
     def app(name: str):
         if name not in workers:

@@ -3,9 +3,12 @@ lives in its own venv, is skipped (and says so) where that venv is missing, as i
 `--startup` run is also the test that a new process loads the compiled step from the disk cache."""
 import json
 
+import pytest
+
 from loadtests.bench_engine import STEP_BATCHES, main
 
 
+@pytest.mark.slow  # ~90 s: six systems, a profile, a cold and a warm start
 def test_bench_engine_quick_run(tiny_checkpoints, tmp_path, capsys):
     out = tmp_path / "bench.json"
     main(["--model", str(tiny_checkpoints["llama"]), "--dtype", "float32", "--num-requests", "4", "--max-tokens", "6",

@@ -204,7 +204,7 @@ def test_v1_models_shows_windows_and_the_curve():
 
 # ---- end to end: the tiny Gemma 2 served over HTTP --------------------------------------------------------------
 @pytest.fixture(scope="module")
-def gemma2_server(tmp_path_factory):
+def gemma2_server(variant_checkpoints):
     """The tiny Gemma 2 (2 layers: one windowed at tests/tiny.py WINDOW, one global) behind the real app on
     uvicorn, one in-process replica (no Ray)."""
     import uvicorn
@@ -215,9 +215,8 @@ def gemma2_server(tmp_path_factory):
     from server.local_client import LocalModelClient
     from server.openai_api import OpenAIApi
     from server.worker import ModelWorker
-    from tests.tiny import make_checkpoint
 
-    path = make_checkpoint(tmp_path_factory.mktemp("gemma2") / "gemma2", "gemma2")
+    path = variant_checkpoints["gemma2"]
     worker = ModelWorker("tiny-gemma2", EngineConfig(model=str(path), dtype="float32", num_blocks=64, block_size=4,
                                                      max_model_len=256, enforce_eager=True))
 
@@ -296,20 +295,20 @@ def test_a_windowed_model_end_to_end(gemma2_server, tmp_path):
 
 
 # ---- attnserve eval and the length sweep --------------------------------------------------------------------------
-def test_eval_row_carries_the_curve_of_a_windowed_model(tmp_path, monkeypatch):
+def test_eval_row_carries_the_curve_of_a_windowed_model(tmp_path, monkeypatch, variant_checkpoints):
     """`attnserve eval` on the tiny Gemma 2: its pool is built with the model's windows (KVCacheSpec.of), so
     the score is the dense model's and the row's per-token bytes fall to the global layer's half."""
     from models import load_model, load_tokenizer
     from models.perplexity import perplexity
     from server.cli import EVAL_KEYS, main
     from tests.test_eval import TEXT
-    from tests.tiny import WINDOW, make_checkpoint
+    from tests.tiny import WINDOW
 
     from server import eval_results
 
     # NOTE: the rows' file only: a fresh ATTNSERVE_CACHE_DIR would rebuild the native kernels too (minutes)
     monkeypatch.setattr(eval_results, "results_path", lambda: tmp_path / "eval" / "results.json")
-    path = make_checkpoint(tmp_path / "gemma2", "gemma2")
+    path = variant_checkpoints["gemma2"]
     text, out = tmp_path / "text.txt", tmp_path / "eval.json"
     text.write_text(TEXT)
     assert main(["eval", "--text", str(text), "--dtype", "float32", "--window", "48", "--stride", "16",

@@ -86,6 +86,7 @@ def test_sharded_greedy_equals_unsharded(arch, tp, pp, checkpoints, prompts, ray
         engine.executor.shutdown()
 
 
+@pytest.mark.slow  # four workers compile their shards' graphs
 @pytest.mark.parametrize("tp,pp", [pytest.param(2, 1, marks=pytest.mark.exhaustive),
                                    pytest.param(1, 2, marks=pytest.mark.exhaustive), (2, 2)])  # CI: both at once
 def test_bf16_compiled_sharded(tp, pp, checkpoints, prompts, ray_session):

@@ -91,6 +91,7 @@ def test_serve_config_reserves_the_workers_with_the_replica():
     assert worker_placement(ServeConfig().engine_config("default", 1.0), {}) == {}
 
 
+@pytest.mark.slow
 @pytest.mark.e2e  # its own Ray: `attnserve generate --tensor-parallel-size 2` starts one
 def test_readme_generate_command_shards_the_default_model():
     """The README's `attnserve generate --tensor-parallel-size 2` line, run as a user would (its own

@@ -174,6 +174,7 @@ def test_engine_process_killed_under_load_ends_every_stream_and_recovers(chaos_u
     assert_engine_killed_under_load_recovers(chaos_url, chaos_handle())
 
 
+@pytest.mark.slow
 def test_one_model_app_serves_http_from_its_model_replica(chaos_url, serve_url, tiny_variants):
     """Without separate_ingress a one-model app is one deployment whose replicas serve HTTP; the
     engine-kill path holds there too."""

@@ -139,6 +139,7 @@ def cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_bench_parallel_quick_run(cluster, tiny_checkpoints, tmp_path):
     """loadtests/bench_parallel.py on this cluster (`--address`): one process, TP=2 and PP=2 (a
     stage on each node) on the tiny model, with the workers' communication timers."""
