@@ -21,13 +21,19 @@ from tests.tiny import ARCHS, VARIANT_ARCHS, make_checkpoint  # noqa: E402
 # a Ray cluster or a listening server: `make test-fast` leaves out every test that uses one (the files
 # that start their own, test_cli_serve and test_two_nodes, carry the mark themselves)
 E2E_FIXTURES = frozenset({"ray_session", "uvicorn_url", "page_url", "gemma2_server"})
+# the embedded 135M model (seconds per test where the tiny ones take milliseconds): `make test-fast`
+# leaves these out too; tests that load it without the fixture carry the mark themselves
+DEFAULT_MODEL_FIXTURES = frozenset({"default_model_dir"})
 
 
 @pytest.hookimpl(tryfirst=True)  # NOTE: before -m deselects by marks
 def pytest_collection_modifyitems(items):
     for item in items:
-        if E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if E2E_FIXTURES & fixtures:
             item.add_marker(pytest.mark.e2e)
+        if DEFAULT_MODEL_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.default_model)
     # Whole files in three runs, each in its usual order: no server, then servers of their own, then
     # the session's Ray. NOTE: once started, Ray's idle processes (controller, proxy, replicas, their
     # engine processes) keep ~20% of a core busy until the session ends: every test after its first

@@ -8,6 +8,8 @@ from models import load_model, load_tokenizer, resolve_model
 from models.registry import DEFAULT_MODEL, default_gguf_path
 from tests.reference import dense_greedy, hf_greedy, load_hf
 
+pytestmark = pytest.mark.default_model
+
 CHAT_PROMPTS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
 
 

@@ -193,6 +193,7 @@ def test_eval_one_row_per_model_and_quantization(tiny_checkpoints, tmp_path, mon
     assert sorted(r["quantization"] for r in eval_results.load()) == ["int4_g32", "int8", "none"]  # all kept
 
 
+@pytest.mark.default_model
 def test_default_model_is_held_at_its_files_size():
     """The shipped Q4_1 file served as stored: its tied Q8_0 table is read by the embedding out of
     the LM head's panels (held once), so the weights in memory take no more than the file."""
