@@ -59,9 +59,9 @@ test: install system-deps
 	$(PY) -m pytest -q $(DURATIONS) $(PYTEST_ARGS)
 
 # The developer's loop: unit, engine and kernel tests on the tiny models; no Ray, no server, not the
-# 135M default model, nothing marked slow.
+# 135M default model, no inductor compiles, nothing marked slow.
 test-fast: install
-	$(PY) -m pytest -q -m "not e2e and not default_model and not slow and not exhaustive and not caps" $(DURATIONS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not e2e and not default_model and not compiled and not slow and not exhaustive and not caps" $(DURATIONS) $(PYTEST_ARGS)
 
 # Everything, the exhaustive cross-products (every model type x feature x mode) included. Not in CI.
 test-all: install system-deps

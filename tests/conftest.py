@@ -34,6 +34,8 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.e2e)
         if DEFAULT_MODEL_FIXTURES & fixtures:
             item.add_marker(pytest.mark.default_model)
+        if "compiled" in item.nodeid:  # NOTE: by name: each file, test or case of the compiled step says so
+            item.add_marker(pytest.mark.compiled)
     # Whole files in three runs, each in its usual order: no server, then servers of their own, then
     # the session's Ray. NOTE: once started, Ray's idle processes (controller, proxy, replicas, their
     # engine processes) keep ~20% of a core busy until the session ends: every test after its first
