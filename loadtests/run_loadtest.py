@@ -14,11 +14,13 @@ import contextlib
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -34,14 +36,22 @@ DEFAULT_SERVE = {"default": "default", "mha": "smollm2-135m-instruct-mha", "mqa"
 
 
 def run_locust(url: str, out: Path, users: int, spawn_rate: float, duration: str, classes: list[str],
-               models: list[str], workload: Path) -> int:
+               models: list[str], workload: Path, until: Callable[[], bool] | None = None) -> int:
+    """locust headless for `duration`, or until `until()` holds (then SIGTERM: locust stops its users,
+    letting each finish its request within --stop-timeout, and writes its CSVs as at the end)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [str(BIN / "locust"), "-f", str(ROOT / "loadtests" / "locustfile.py"), "--headless", "--users", str(users),
            "--spawn-rate", str(spawn_rate), "--run-time", duration, "--host", url, "--csv", str(out / "locust"),
            "--csv-full-history", "--stop-timeout", "60", "--only-summary", *classes]
     env = {**os.environ, "ATTNSERVE_WORKLOAD": str(workload), "ATTNSERVE_MODELS": ",".join(models)}
     with (out / "locust.log").open("w") as log:
-        return subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while until is not None and proc.poll() is None:
+            if until():
+                proc.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.5)
+        return proc.wait()
 
 
 def _rows(path: Path) -> list[dict]:

@@ -84,7 +84,6 @@ _FILE_S: dict[str, float] = defaultdict(float)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
-    _FILE_S[item.nodeid.split("::")[0]] += rep.duration
     if rep.when == "setup":
         item.stash[_SETUP_S] = rep.duration
     elif rep.when == "call" and rep.passed:
@@ -92,6 +91,11 @@ def pytest_runtest_makereport(item, call):
         message = over_limit(item.nodeid, seconds, item.get_closest_marker("slow") is not None, per_test_limit())
         if message:  # NOTE: the test itself fails, so the run fails and the summary names it
             rep.outcome, rep.longrepr = "failed", message
+
+
+def pytest_runtest_logreport(report):
+    """NOTE: here, not in makereport: under xdist only the controller's reports reach the summary."""
+    _FILE_S[report.nodeid.split("::")[0]] += report.duration
 
 
 def pytest_terminal_summary(terminalreporter):

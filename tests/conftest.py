@@ -3,6 +3,12 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# NOTE: before torch loads OpenMP, and inherited by every process a test starts (Ray, replicas, engine
+# processes, `attnserve serve`): `make test` keeps both cores busy with two workers, and OpenMP's
+# default of spinning at each barrier then waits on a sibling thread that has no core. On this
+# 2-core machine with two busy loops beside it, 3 x 64 tokens of the default model on 2 threads
+# took 4.8 s spinning, 1.6 s passive (1 thread: 2.9 s); alone, 1.0-1.2 s either way.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from models.cpu_features import apply_isa_cap  # noqa: E402
 
@@ -14,7 +20,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from loadtests.servers import free_port  # noqa: E402
-from tests.budget import pytest_runtest_makereport, pytest_terminal_summary  # noqa: E402,F401  (the time guard)
+from tests.budget import (  # noqa: E402,F401  (the time guard)
+    pytest_runtest_logreport, pytest_runtest_makereport, pytest_terminal_summary)
+from tests import scheduling  # noqa: E402
 from tests.tiny import ARCHS, VARIANT_ARCHS, make_checkpoint  # noqa: E402
 
 
@@ -26,8 +34,8 @@ E2E_FIXTURES = frozenset({"ray_session", "uvicorn_url", "page_url", "gemma2_serv
 DEFAULT_MODEL_FIXTURES = frozenset({"default_model_dir"})
 
 
-@pytest.hookimpl(tryfirst=True)  # NOTE: before -m deselects by marks
-def pytest_collection_modifyitems(items):
+@pytest.hookimpl(tryfirst=True)  # NOTE: before -m deselects by marks, and before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if E2E_FIXTURES & fixtures:
@@ -36,18 +44,29 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.default_model)
         if "compiled" in item.nodeid:  # NOTE: by name: each file, test or case of the compiled step says so
             item.add_marker(pytest.mark.compiled)
-    # Whole files in three runs, each in its usual order: no server, then servers of their own, then
-    # the session's Ray. NOTE: once started, Ray's idle processes (controller, proxy, replicas, their
-    # engine processes) keep ~20% of a core busy until the session ends: every test after its first
-    # user is slower for it.
-    def kind(path: str) -> int:
-        if path in ray_files:
-            return 2
-        return 1 if path in e2e_files else 0
     path = lambda item: item.nodeid.split("::")[0]  # noqa: E731
-    e2e_files = {path(i) for i in items if i.get_closest_marker("e2e")}
     ray_files = {path(i) for i in items if "ray_session" in getattr(i, "fixturenames", ())}
-    items.sort(key=lambda item: kind(path(item)))  # stable: files and their tests keep their order
+    e2e_files = {path(i) for i in items if i.get_closest_marker("e2e")} - ray_files
+    heavy_files = {path(i) for i in items if i.get_closest_marker("default_model") or i.get_closest_marker("slow")}
+
+    # `make test` runs on two xdist workers, a file at a time (tests/scheduling.py): the files that share
+    # the session's Ray are one unit, so one Ray cluster and its Serve apps serve them all, on one worker,
+    # while the other takes the files without it. Units go out longest first (roughly: Ray, servers of
+    # their own, the 135M model or slow cases, the rest), so the last ones to finish are short.
+    def order(item) -> int:
+        file = path(item)
+        return 0 if file in ray_files else 1 if file in e2e_files else 2 if file in heavy_files else 3
+    items.sort(key=order)  # stable: files and their tests keep their order
+    scheduling.publish({path(item): "ray-session" if path(item) in ray_files else path(item) for item in items})
+
+
+def pytest_configure(config):
+    scheduling.configure(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return scheduling.make_scheduler(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -95,10 +114,21 @@ def default_model_dir() -> Path:
     return ensure_default()
 
 
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    torch.set_num_threads(1)  # NOTE: two workers share two cores: a second torch thread each only oversubscribes
+
+
 @pytest.fixture(autouse=True)
-def _deterministic():
+def _deterministic(request):
     torch.manual_seed(0)
+    # NOTE: the kernels split their work over threads: their tests run with two, even beside another worker
+    threads = 2 if XDIST_WORKER and request.node.get_closest_marker("kernel") else None
+    if threads:
+        torch.set_num_threads(threads)
     yield
+    if threads:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

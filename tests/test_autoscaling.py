@@ -63,22 +63,26 @@ def test_scales_up_under_locust_load_and_back_down(serve_url, tiny_variants, tmp
         spec = LengthSpec(median=8, sigma=0.5, min_words=2, max_words=20, long_min=20, long_max=30,
                           shared_prefix_words=15)
         workload.write_text("\n".join(json.dumps(r) for r in build(200, 0, spec, max_tokens=(24, 32))))
-        seen = []
+        seen, scaled_at = [], []
 
         import threading
 
         def watch():
             while not done.is_set():
                 seen.append(num_running_replicas())
+                if seen[-1] == 2 and not scaled_at:
+                    scaled_at.append(time.monotonic())
                 time.sleep(0.5)
         done = threading.Event()
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
-        # one sequence per engine step (max_num_seqs=1) and 6 users: requests wait, so a replica is added
-        # NOTE: 40 s of load: the added replica must finish starting (a Ray worker, an engine process)
-        # while the load lasts, on 2 busy cores; 25 s fell short now and then
-        code = run_locust(url, tmp_path / "run", 6, 6, "40s", ["ChatStreamUser"], ["tiny"], workload)
-        summary = summarize(tmp_path / "run", 40)
+        # one sequence per engine step (max_num_seqs=1) and 6 users: requests wait, so a replica is added.
+        # NOTE: the load lasts until the added replica has run for 10 s, at most 150 s: it must finish
+        # starting (a Ray worker, an engine process) on 2 cores that another test worker shares
+        start = time.monotonic()
+        code = run_locust(url, tmp_path / "run", 6, 6, "150s", ["ChatStreamUser"], ["tiny"], workload,
+                          until=lambda: bool(scaled_at) and time.monotonic() > scaled_at[0] + 10)
+        summary = summarize(tmp_path / "run", time.monotonic() - start)
         assert code == 0 and summary["failures"] == 0 and summary["requests"] > 10, (tmp_path / "run" / "locust.log").read_text()[-3000:]
         assert max(seen) == 2, seen  # scaled up under load
         deadline = time.monotonic() + 90
