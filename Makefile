@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # an aarch64 cross compiler (the portable kernels must compile for ARM).
 SYSTEM_PACKAGES ?= prometheus chromium g++-aarch64-linux-gnu
 
-.PHONY: install system-deps serve test test-fast test-all test-isa loadtest peers clean
+.PHONY: install system-deps serve lint test test-fast test-all test-isa loadtest peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,12 @@ system-deps:
 serve: install
 	$(VENV)/bin/attnserve serve $(SERVE_ARGS)
 
+# The layers (lint-imports: server > kvcache > models, models/native at the bottom, the engine apart
+# from Serve, no torch on the wire; contracts in pyproject.toml) and ruff's lint. Seconds; CI runs it first.
+lint: install
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+
 # CI's suite: everything but the exhaustive cross-products, and where its time went (the 30 slowest
 # tests, then seconds per file). A test that passes 120 s without @pytest.mark.slow fails
 # (tests/budget.py); .ci/run holds the whole run to 40 minutes.
@@ -77,7 +83,7 @@ test-all: install system-deps
 # on the portable build. On a CPU whose own level is AVX2 the cap changes nothing: `make test` ran the
 # kernels and the parity passes there already, so the AVX2 pass runs only the `caps` tests.
 # Serve and HTTP do not depend on the ISA: they run once, in `make test`. CI runs it after `make test`.
-MACHINE_ISA = $(PY) -c "from models.cpu_features import choose_isa, read_cpu_features; print(choose_isa(read_cpu_features()))"
+MACHINE_ISA = $(PY) -c "from models.native.cpu_features import choose_isa, read_cpu_features; print(choose_isa(read_cpu_features()))"
 test-isa: install system-deps
 	$(PY) -m models.native --levels avx2,generic
 	@marks="(kernel or isa or caps) and not exhaustive"; \

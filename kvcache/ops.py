@@ -12,8 +12,9 @@ divided by the layer's `k_scale` / `v_scale`, rounded to 8 bits as it writes the
 multiplies the scales back in as it reads. Implementations:
 
 * CPU: the C++ kernel in `kvcache/csrc` (reads blocks in place), built for the CPU's ISA level
-  (models/native.py). Where it cannot be built (no compiler) or `ATTNSERVE_NATIVE=0`,
-  `sdpa_paged_attention` instead, with a warning.
+  (models/native/). Where it cannot be built (no compiler) or `ATTNSERVE_NATIVE=0`,
+  `sdpa_paged_attention` instead, with a warning. Registered by the first pool on the CPU, not
+  at import: importing this module compiles nothing.
 * CUDA: `torch.nn.attention.varlen.varlen_attn` with the block table (Flash's paged kernel,
   which takes the window); an 8-bit pool, a soft-cap or sinks take the gather path (Flash's paged
   kernel reads no 8-bit K/V on this torch, and varlen_attn has no soft-cap or sinks).
@@ -22,17 +23,14 @@ multiplies the scales back in as it reads. Implementations:
 """
 from __future__ import annotations
 
-import logging
-import os
-import warnings
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from kvcache.quant import dequantize, quantize
 from models.attention import AttentionVariant, causal_mask, reference_attention
-
-logger = logging.getLogger(__name__)
+from models.native.probe import attention_backend
 
 _LIB = torch.library.Library("attnserve", "DEF")
 _LIB.define(
@@ -125,21 +123,21 @@ def _varlen_paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_table
                        block_table=block_tables)
 
 
-def _load_native() -> str:
-    """Register the CPU implementation: the C++ kernel, else the gather path. Returns which
-    ("native-<ISA level>" or "sdpa")."""
-    if os.environ.get("ATTNSERVE_NATIVE", "1") != "0":
-        try:
-            from models.native import load
+@functools.cache
+def cpu_backend() -> str:
+    """Register the CPU implementation, on first use (a pool on the CPU asks): "native-<ISA level>"
+    (the C++ kernel) or "sdpa" (the gather path: no compiler, or ATTNSERVE_NATIVE=0)."""
+    backend = attention_backend()
+    if backend == "sdpa":
+        _LIB.impl("paged_attention", sdpa_paged_attention, "CPU")
+    return backend
 
-            return f"native-{load('paged_attention')}"
-        except Exception as e:  # noqa: BLE001 - any build failure means: serve on the slower path
-            reason = str(e).splitlines()[0]
-            warnings.warn(f"attnserve: the C++ paged-attention kernel is unavailable ({reason}); "
-                          "attention falls back to gather + SDPA, which is slower", RuntimeWarning, stacklevel=2)
-    _LIB.impl("paged_attention", sdpa_paged_attention, "CPU")
-    return "sdpa"
+
+def __getattr__(name: str) -> str:
+    # NOTE: `ops.CPU_BACKEND` is read, never set: its first read registers the CPU implementation
+    if name == "CPU_BACKEND":
+        return cpu_backend()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _LIB.impl("paged_attention", _varlen_paged_attention, "CUDA")
-CPU_BACKEND = _load_native()

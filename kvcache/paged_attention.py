@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvcache import ops  # noqa: F401 - registers torch.ops.attnserve.paged_attention
+from kvcache import ops  # noqa: F401 - defines torch.ops.attnserve.paged_attention
 from kvcache.storage import PagedKVCache
 from models.attention import AttentionVariant
 

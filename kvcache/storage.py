@@ -7,6 +7,7 @@ from functools import cached_property
 
 import torch
 
+from kvcache import ops
 from kvcache.manager import layer_blocks
 from kvcache.quant import KVScales, is_8bit
 
@@ -127,6 +128,8 @@ class PagedKVCache:
         self.k = [k[slot] if i in held else None for i, (_, slot) in enumerate(spec.layer_group)]
         self.v = [v[slot] if i in held else None for i, (_, slot) in enumerate(spec.layer_group)]
         self.tensors = list(k.values()) + list(v.values())
+        if torch.device(device).type == "cpu":
+            ops.cpu_backend()  # NOTE: the op's CPU implementation is registered before any step reads this pool
 
     @property
     def nbytes(self) -> int:

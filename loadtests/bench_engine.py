@@ -47,7 +47,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.cpu_features import apply_isa_cap  # noqa: E402
+from models.native.cpu_features import apply_isa_cap  # noqa: E402
 
 apply_isa_cap()  # NOTE: before torch: ATTNSERVE_CPU_ISA=avx2 benchmarks an AVX2 CPU on a bigger one
 import torch  # noqa: E402
@@ -55,9 +55,9 @@ import torch  # noqa: E402
 from loadtests.engine_timing import EngineAdapter, decode_step_ms, step_timings  # noqa: E402
 from loadtests.servers import peer_isa_env  # noqa: E402
 from models import load_tokenizer, resolve_model  # noqa: E402
-from models.cpu_path import DTYPES, QUANTIZATIONS  # noqa: E402
 from models.loader import parse_dtype, serving_dtype  # noqa: E402
-from models.native import machine_isa  # noqa: E402
+from models.native.cpu_features import machine_isa  # noqa: E402
+from models.native.cpu_path import DTYPES, QUANTIZATIONS  # noqa: E402
 from server.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 SYSTEMS = ("attnserve", "attnserve_eager", "attnserve_fp8", "attnserve_int8", "attnserve_int4", "vllm", "vllm_default", "llamacpp", "hf_generate",

@@ -1,4 +1,4 @@
-"""The linear paths models/cpu_path.py chooses between, measured on this CPU (and level).
+"""The linear paths models/native/cpu_path.py chooses between, measured on this CPU (and level).
 
     python loadtests/bench_linear.py                          # this CPU
     ATTNSERVE_CPU_ISA=avx2 python loadtests/bench_linear.py   # as on an AVX2-only CPU
@@ -36,13 +36,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.cpu_features import apply_isa_cap  # noqa: E402
+from models.native.cpu_features import apply_isa_cap  # noqa: E402
 
 ISA = apply_isa_cap()  # NOTE: before torch
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from models.cpu_linear import onednn_packs, panel_library  # noqa: E402
+from models.native.libraries import load  # noqa: E402
+from models.native.probe import onednn_packs  # noqa: E402
 
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 SHAPES = LAYER * 30 + [(49152, 576)]
@@ -61,7 +62,7 @@ def candidates(weights: list[torch.Tensor]) -> dict:
         packed16 = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
         out["bf16 oneDNN"] = (torch.bfloat16, [
             lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed16])
-    panel_library()
+    load("panel_linear")
     panels = [torch.ops.attnserve.pack_panels(w) for w in weights]
     calls = [lambda x, p=p, n=w.shape[0]: torch.ops.attnserve.panel_linear(x, p, None, n) for p, w in zip(panels, weights)]
     out["panels fp32"] = (torch.float32, calls)

@@ -57,14 +57,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.cpu_features import apply_isa_cap  # noqa: E402
+from models.native.cpu_features import apply_isa_cap  # noqa: E402
 
 apply_isa_cap()  # NOTE: before torch
 
 from loadtests.servers import peer_isa_env  # noqa: E402
 from models import load_tokenizer, resolve_model  # noqa: E402
-from models.cpu_path import DTYPES, QUANTIZATIONS  # noqa: E402
 from models.loader import serving_dtype  # noqa: E402
+from models.native.cpu_path import DTYPES, QUANTIZATIONS  # noqa: E402
 
 SYSTEMS = ("attnserve", "attnserve_ngram", "attnserve_draft", "vllm", "vllm_ngram")
 WORKLOADS = ("copy", "code_edit", "extract", "chat")

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.cpu_features import apply_isa_cap  # noqa: E402
+from models.native.cpu_features import apply_isa_cap  # noqa: E402
 
 apply_isa_cap()
 

@@ -101,7 +101,7 @@ def inprocess_bursts(model_dir: Path, dtype: str, threads: int, warm_up: list[li
 
 
 if __name__ == "__main__":
-    from models.cpu_features import apply_isa_cap
+    from models.native.cpu_features import apply_isa_cap
 
     apply_isa_cap()  # NOTE: before the engine imports torch, as in `attnserve serve`'s engine process
     Path(sys.argv[2]).write_text(json.dumps(engine_bursts(json.loads(Path(sys.argv[1]).read_text()))))

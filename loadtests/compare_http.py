@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.cpu_features import apply_isa_cap  # noqa: E402
+from models.native.cpu_features import apply_isa_cap  # noqa: E402
 
 apply_isa_cap()  # NOTE: before torch; the servers it starts get the cap from the environment too
 import httpx  # noqa: E402
@@ -40,8 +40,8 @@ from loadtests.run_loadtest import run_locust, summarize  # noqa: E402
 from loadtests.servers import BIN, PEERS_VENV, ROOT, attnserve_cmd, free_port, running, vllm_cmd  # noqa: E402
 from loadtests.workload import DEFAULT_WORKLOAD, ensure  # noqa: E402
 from models import load_tokenizer, resolve_model  # noqa: E402
-from models.cpu_path import DTYPES  # noqa: E402
 from models.loader import serving_dtype  # noqa: E402
+from models.native.cpu_path import DTYPES  # noqa: E402
 
 SYSTEMS = ("attnserve", "vllm", "transformers_serve_cb", "transformers_serve")
 BURST_SYSTEMS = ("attnserve", "attnserve_inprocess", "vllm")

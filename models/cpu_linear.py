@@ -1,4 +1,4 @@
-"""CPU linears: which matmul each nn.Linear runs, swapped in once at load (models/cpu_path.py chooses).
+"""CPU linears: which matmul each nn.Linear runs, swapped in once at load (models/native/cpu_path.py chooses).
 
 * `onednn`: weights reordered once into oneDNN's blocked layout run the same matmuls much
   faster than `F.linear` here: bf16 about 1.7x at batch 1, fp32 2-4x at every batch size (MKL's
@@ -14,10 +14,13 @@ cache, so each packed call is an opaque custom op instead.
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import torch
 from torch import nn
+
+from models.native.cpu_path import CpuCapabilities, CpuPath, choose_cpu_path, resolve_dtype
+from models.native.libraries import load
 
 LINEAR_PATHS = ("onednn", "panels", "torch")
 
@@ -42,25 +45,6 @@ def _(x, packed, bias):
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
-def onednn_packs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN reorders weights of this dtype here (it checks the CPU, and its ISA cap)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
-    except RuntimeError:
-        return False
-    return True
-
-
-@functools.cache
-def panel_library() -> str:
-    """Load the panel-linear kernel for this CPU's level (raises without a compiler)."""
-    from models.native import load
-
-    return load("panel_linear")
-
-
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -77,11 +61,11 @@ class PanelLinear(nn.Module):
     """bf16 weights in panels (models/csrc/linear.cpp); x and the output keep x's dtype.
 
     NOTE: narrowing to bf16 is exact only for weights that were bf16 already; the caller
-    (models/cpu_path.py) takes this path for fp32 compute only for bf16 checkpoints."""
+    (models/native/cpu_path.py) takes this path for fp32 compute only for bf16 checkpoints."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        panel_library()
+        load("panel_linear")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("packed", torch.ops.attnserve.pack_panels(linear.weight.detach()),
                              persistent=False)  # (panels, in / 2, 2 W) bf16
@@ -105,3 +89,30 @@ def pack_linears(model: nn.Module, path: str) -> int:
     for parent, name, child in swaps:
         setattr(parent, name, _SWAPS[path](child))
     return len(swaps)
+
+
+def prepare(model, caps: CpuCapabilities, requested: str, checkpoint_dtype: str, device: str = "cpu") -> CpuPath:
+    """Choose the model's path and swap its linears in; a model is prepared once (`model.cpu_path`)."""
+    if model.cpu_path is not None:
+        return model.cpu_path
+    dtype = resolve_dtype(caps, requested, checkpoint_dtype, device)
+    # NOTE: checked only where it can matter: a float32 model on a machine with the panel kernel
+    fits = dtype == "float32" and caps.panel_kernel and fits_bf16(
+        m.weight for m in model.modules() if isinstance(m, nn.Linear))
+    path = choose_cpu_path(caps, requested, checkpoint_dtype, fits, torch.get_num_threads(), device)
+    if path.dtype != str(model.dtype).removeprefix("torch."):
+        raise ValueError(f"the model is {model.dtype}, its path computes in {path.dtype}")
+    if not any(isinstance(m, nn.Linear) for m in model.modules()):  # every linear quantized (a GGUF)
+        path = dataclasses.replace(path, linear="quantized", weight_dtype=model.quantization)
+    elif device == "cpu":
+        pack_linears(model, path.linear)
+    model.cpu_path = dataclasses.replace(path, quantization=model.quantization)
+    return path
+
+
+def fits_bf16(weights) -> bool:
+    """Whether every tensor holds only bf16 values (then storing it as bf16 loses nothing)."""
+    for w in weights:
+        if w.dtype != torch.bfloat16 and not torch.equal(w.to(torch.bfloat16).to(w.dtype), w):
+            return False
+    return True

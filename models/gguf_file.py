@@ -1,57 +1,10 @@
 """GGUF reading: every tensor renamed to HF layout; quantized matrices kept as codes
-(models/quant_formats.py) or dequantised to fp32.
-
-GGUF architectures read, as llama.cpp's convert_hf_to_gguf.py writes them (-> HF model_type):
-
-    llama  -> llama        Llama, SmolLM; also Mistral, which the converter writes as `llama`
-    qwen2  -> qwen2
-    qwen3  -> qwen3        q_norm / k_norm per head (attn_q_norm / attn_k_norm)
-    gemma2 -> gemma2       post-attention / post-ffw norms, soft-capping, sliding window
-    gemma3 -> gemma3_text  the text model only; qk-norm, sliding pattern, local RoPE base, linear scaling
-    phi3   -> phi3         fused attn_qkv and ffn_up (gate | up)
-    olmo2  -> olmo2        post norms; q / k norms over all heads
-    granite_swa -> granite_swa  learned sinks (attn_sinks), multipliers, sliding pattern, NoPE layers
-
-What the converter did to the weights, undone here:
-  - `llama` and `granite_swa` (LlamaModel's subclasses): q / k rows (and biases) permuted for llama.cpp's
-    interleaved RoPE; no other of these architectures is permuted.
-  - gemma2 / gemma3: every `*norm.weight` stored as HF's + 1 (HF's Gemma RMSNorm scales by 1 + w).
-  - phi3: attn_qkv and ffn_up are exactly HF Phi-3's own fused `self_attn.qkv_proj` and
-    `mlp.gate_up_proj` (gate rows first), and keep those names.
-  - any other architecture written with `--fuse-qkv`: attn_qkv split back into q_proj / k_proj / v_proj.
-
-What a GGUF cannot say that HF's config.json does, and what this reader then assumes (what llama.cpp
-itself assumes when it runs the file):
-  - Mistral and Llama are one GGUF architecture: model_type "llama". The converter writes no sliding
-    window for `llama`, `qwen2` or `qwen3`, and llama.cpp runs them with full attention; so does this
-    reader: Mistral's `sliding_window`, Qwen2/3's `use_sliding_window` / `sliding_window` /
-    `max_window_layers` are lost (full attention everywhere: use_sliding_window False).
-  - Gemma 2 / 3 `query_pre_attn_scalar`: not written. llama.cpp scales queries by 1/sqrt(head_dim),
-    except at the 27B sizes (46 layers for Gemma 2, 62 for Gemma 3) by 1/sqrt(hidden / heads).
-  - Gemma 2 / 3 layer pattern: not written by the converter (`attention.sliding_window_pattern` is
-    read where present, an array of bools or an int): Gemma 2 every 2nd layer global, Gemma 3 every
-    6th (transformers' defaults too). Gemma 2's window, when absent: 4096.
-  - Gemma 2 and 3 activation: gelu_pytorch_tanh (llama.cpp's GELU); every other architecture: silu.
-  - Gemma 2's lm_head: the converter drops it (llama.cpp always ties Gemma 2): tied embeddings.
-  - Gemma 3's sliding layers: RoPE of base `rope.freq_base_swa` (10000 where absent), never scaled;
-    its global layers: `rope.freq_base` with the file's scaling (transformers 5's per-layer-type
-    `rope_parameters`). Gemma 2 soft-caps, when absent: llama.cpp's defaults 50 / 30.
-  - Phi-3's `attention.sliding_window` is written (0: none) and kept with HF's meaning, although
-    llama.cpp switches Phi-3's window off.
-  - An `olmo2` file with a sliding window is OLMo 3: refused.
-  - GraniteSWA's per-layer RoPE bases (HF `layer_rope_theta`): a GGUF holds one base and, optionally, which
-    layers use RoPE (`attention.rope_pattern`, which the converter writes only from a `no_rope_layers` key,
-    not from transformers 5's `layer_rope_theta`): every layer's base is `rope.freq_base`, 0 for a NoPE
-    layer. Its attention multiplier, when absent: llama.cpp's 1/sqrt(head_dim). Its head_dim: the
-    converter drops it, hidden / heads.
-  - vocab_size: the rows of token_embd (Gemma 3's converter drops rows past the tokenizer's).
-  - Floats are stored as float32: they come back as the shortest decimal that float32 rounds to
-    (1e-05, not 9.999999747378752e-06).
+(models/quant_formats.py) or dequantised to fp32. What the converter did to the weights (undone
+here) and what a file cannot say (assumed here, as llama.cpp assumes it): docs/gguf.md.
 """
 from __future__ import annotations
 
 import functools
-
 import re
 from pathlib import Path
 from typing import Any
@@ -59,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.checkpoint import HFCheckpoint
+from models.hf_checkpoint import HFCheckpoint, LazyTensors
 
 # GGUF architecture -> (HF model_type, HF class)
 _ARCHITECTURES = {
@@ -303,11 +256,9 @@ def _unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
 def read_gguf(path: Path, keep_quantized: bool = False, lazy: bool = False) -> HFCheckpoint:
     """With `keep_quantized`, matrices of a type models/quant_formats.py reads stay quantized
     (`QuantizedTensor`); everything else is dequantised to fp32. `lazy`: each tensor is decoded
-    from the memory map when looked up (models.checkpoint.LazyTensors)."""
+    from the memory map when looked up (models.hf_checkpoint.LazyTensors)."""
     import gguf
     from tqdm import tqdm
-
-    from models.checkpoint import LazyTensors
 
     reader = gguf.GGUFReader(str(path))
     config = gguf_config(reader)

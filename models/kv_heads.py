@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import HFCheckpoint, read_checkpoint, write_checkpoint
+from models.checkpoint import read_checkpoint, write_checkpoint
+from models.hf_checkpoint import HFCheckpoint
 from models.hf_config import LLAMA_FAMILY, config_from_hf, with_kv_heads
 
 
@@ -81,7 +82,7 @@ def convert_kv_heads(ckpt: HFCheckpoint, num_kv_heads: int, progress: bool = Tru
 def convert(src: str | Path, num_kv_heads: int, out_dir: str | Path, dtype: torch.dtype | None = None,
             progress: bool = True) -> Path:
     """Read SRC (directory or GGUF), regroup K/V heads, write an HF checkpoint to out_dir."""
-    from models.loader import load_tokenizer
+    from models.tokenizer import load_tokenizer
 
     src = Path(src)
     ckpt = read_checkpoint(src)

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
 
-from models.checkpoint import HFCheckpoint, read_checkpoint
+from models.checkpoint import read_checkpoint
+from models.hf_checkpoint import HFCheckpoint
 from models.hf_config import config_from_hf
+from models.native.memory import release_freed_memory
 from models.transformer import DecoderLM
 from models.weights import hf_to_internal
 
@@ -88,7 +90,7 @@ def _skeleton() -> Iterator[None]:
     """Modules built on the meta device with nn.init skipped: every weight is assigned after.
 
     NOTE: measured: nn.init on meta tensors takes torch._refs' path, which imports torch._dynamo
-    (1.2 s, and ~100 MB a process serving through models/native_decoder.py never needs)."""
+    (1.2 s, and ~100 MB a process serving through server/engine/native_decoder.py never needs)."""
     saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
     for name in _INIT_FUNCTIONS:
         setattr(nn.init, name, _keep)
@@ -160,7 +162,8 @@ def checkpoint_dtype(ckpt: HFCheckpoint) -> str:
 
 def serving_dtype(path: str | Path, dtype: str = "auto", device: str = "cpu") -> str:
     """The dtype `load_for_serving` computes in for this checkpoint here (`auto` resolved)."""
-    from models.cpu_path import detect, resolve_dtype
+    from models.native.cpu_path import resolve_dtype
+    from models.native.probe import detect
 
     return resolve_dtype(detect(device), dtype, checkpoint_dtype(read_checkpoint(path)), device)
 
@@ -168,12 +171,12 @@ def serving_dtype(path: str | Path, dtype: str = "auto", device: str = "cpu") ->
 def load_for_serving(path: str | Path, dtype: str = "auto", device: str = "cpu",
                      quantization: str = "auto", shard=None) -> DecoderLM:
     """A model ready to serve here: in the dtype its CPU path computes in, with that path's
-    linears swapped in (`model.cpu_path` says which; models/cpu_path.py chooses) and its weights
+    linears swapped in (`model.cpu_path` says which; models/native/cpu_path.py chooses) and its weights
     quantized as asked (`model.quantization`, `model.weight_bytes()`). With a `shard`, that rank's
     part, read tensor by tensor (its collectives are joined in by models.parallel.parallelize)."""
-    from models.cpu_path import detect, prepare, resolve_dtype
-
-    from models.cpu_path import QUANTIZATIONS
+    from models.cpu_linear import prepare
+    from models.native.cpu_path import QUANTIZATIONS, resolve_dtype
+    from models.native.probe import detect
     from models.registry import stored_gguf
 
     if quantization not in QUANTIZATIONS:
@@ -186,39 +189,5 @@ def load_for_serving(path: str | Path, dtype: str = "auto", device: str = "cpu",
                                   "none" if quantization in ("auto", "none") else quantization, shard)
     prepare(model, caps, dtype, source, device)
     del ckpt
-    _release_freed_memory()
+    release_freed_memory()
     return model
-
-
-def _release_freed_memory() -> None:
-    """Hand the loader's freed buffers (unpacked codes, fp32 copies) back to the OS: glibc keeps
-    them in its arenas otherwise, about 170 MB of the default model's resident memory."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """HF fast tokenizer (with chat template) from a checkpoint directory or a GGUF file."""
-    path = Path(path)
-    if path.suffix == ".gguf":
-        from models.gguf_file import gguf_tokenizer
-
-        return gguf_tokenizer(path)
-    import json
-
-    from transformers import AutoTokenizer, PretrainedConfig
-
-    # NOTE: where tokenizer_config.json names its class, a blank config keeps AutoTokenizer from
-    # reading config.json with AutoConfig, which imports ~700 modules (accelerate, model code):
-    # 50 MB of an engine process's memory, for nothing the tokenizer uses
-    settings = path / "tokenizer_config.json"
-    named = settings.exists() and bool(json.loads(settings.read_text()).get("tokenizer_class"))
-    extra = {"config": PretrainedConfig()} if named else {}
-    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, **extra)
-    _release_freed_memory()  # NOTE: building it leaves ~30 MB of freed Python objects in glibc's arenas
-    return tokenizer

@@ -8,20 +8,18 @@ dequantized once at load (the bytes are then not saved).
 """
 from __future__ import annotations
 
-import functools
-import logging
 import mmap
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from typing import TYPE_CHECKING
+from models.native.libraries import available
 
 if TYPE_CHECKING:
     from models.quant_formats import QuantizedTensor
 
-logger = logging.getLogger(__name__)
 PANELS_PER_QUAD = 4  # models/csrc/quant_linear.cpp's QUAD: panels whose rows interleave in the packed codes
 
 _LIB = torch.library.Library("attnserve", "FRAGMENT")
@@ -33,25 +31,6 @@ _LIB.define("pack_quant(Tensor q, Tensor scale, Tensor? offset, int bits, int gr
 @torch.library.register_fake("attnserve::quant_linear")
 def _(x, codes, scales, offsets, bias, bits, group_size, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
-
-
-@functools.cache
-def quant_library() -> str:
-    """Load the quantized-linear kernel for this CPU's level (raises without a compiler)."""
-    from models.native import load
-
-    return load("quant_linear")
-
-
-@functools.cache
-def quant_kernel_available() -> bool:
-    """Once per process: every layer asks, and a missing compiler is one warning, not one per layer."""
-    try:
-        quant_library()
-    except Exception as e:  # noqa: BLE001 - no compiler: dequantize at load instead
-        logger.warning("the quantized-linear kernel is unavailable (%s)", str(e).splitlines()[0])
-        return False
-    return True
 
 
 class QuantLinear(nn.Module):
@@ -212,6 +191,6 @@ def _mode(weight: QuantizedTensor, device: torch.device) -> str:
         return "codes"
     # NOTE: 4-bit codes are packed in runs of 32 inputs: groups must hold whole runs; 8-bit ones
     # are read in pairs
-    if quant_kernel_available() and weight.group_size % (32 if weight.bits == 4 else 2) == 0:
+    if available("quant_linear") and weight.group_size % (32 if weight.bits == 4 else 2) == 0:
         return "packed"
     return "dense"

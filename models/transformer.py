@@ -70,7 +70,7 @@ class DecoderLM(nn.Module):
         self.register_buffer("inv_freq", None, persistent=False)
         self.register_buffer("layer_inv_freqs", None, persistent=False)
         self.set_rope_frequencies(torch.device("cpu"))
-        self.cpu_path = None  # set once by models.cpu_path.prepare: how this machine runs the model
+        self.cpu_path = None  # set once by models.cpu_linear.prepare: how this machine runs the model
         self.quantization = "none"  # the linears' weight format: none, int8, int4_g32, or a GGUF's types
 
     def set_rope_frequencies(self, device: torch.device | str) -> None:

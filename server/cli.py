@@ -110,9 +110,10 @@ def _eval(args: argparse.Namespace) -> int:
     from kvcache.quant import dtype_name, kv_cache_dtype, scales_for
     from kvcache.storage import KVCacheSpec, PagedKVCache
     from models.corpus import HELD_OUT_PLAY, held_out_text
-    from models.loader import load_for_serving, load_tokenizer
+    from models.loader import load_for_serving
     from models.perplexity import perplexity, window_and_stride
     from models.registry import resolve_model
+    from models.tokenizer import load_tokenizer
     from server import eval_results
     from server.kv_forms import KV_CURVE_LENGTHS
 
@@ -146,7 +147,7 @@ def _eval(args: argparse.Namespace) -> int:
                   "positions; the stride stays below the window)", file=sys.stderr, flush=True)
         num_blocks = -(-window // spec.block_size)
         cache = PagedKVCache(spec, num_blocks, model.device, scales_for(model, kv_dtype, tokenizer))
-        ppl = perplexity(model, ids, window, stride, lambda n: PagedAttention.one_sequence(cache, n))
+        ppl = perplexity(model, ids, window, stride, lambda n, cache=cache: PagedAttention.one_sequence(cache, n))
         # NOTE: the row carries the weights' format as loaded (model.quantization: e.g. auto -> a GGUF's types)
         rows.append({"model": name, "attention": cfg.attention_kind, "kv_heads": cfg.num_kv_heads,
                      "kv_cache_dtype": dtype_name(kv_dtype), "kv_bytes_per_token": spec.bytes_per_token,
@@ -194,8 +195,8 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from server.engine.config import parse_size
     from server.deployment import HUB_NAMESPACE, build_app, hub_name, required_cpus
+    from server.engine.config import parse_size
     from server.openai_api import ApiLimits
     from server.serve_config import ServeConfig
 
@@ -308,7 +309,7 @@ def _add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
-    from models.cpu_path import DTYPES
+    from models.native.cpu_path import DTYPES
 
     p.add_argument("--dtype", choices=DTYPES, default=_defaults_engine()["dtype"],
                    help="compute dtype; auto: the checkpoint's where this CPU computes it natively (bf16 needs "
@@ -320,7 +321,7 @@ _QUANTIZATION_HELP = ("weights as served: auto (a GGUF keeps its stored types, s
 
 
 def _add_quantization_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
-    from models.cpu_path import QUANTIZATIONS
+    from models.native.cpu_path import QUANTIZATIONS
 
     default = _defaults_engine()["quantization"]
     if several:
@@ -466,7 +467,7 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from models.cpu_features import apply_isa_cap
+    from models.native.cpu_features import apply_isa_cap
 
     args = build_parser().parse_args(argv)
     # NOTE: the engine's one start line (CPU path) shows; other libraries keep their levels

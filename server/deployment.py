@@ -22,12 +22,12 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from kvcache.manager import prompt_block_hashes
-from models.loader import load_tokenizer
 from models.registry import resolve_model
+from models.tokenizer import load_tokenizer
 from server.autoscaling import autoscaling_config, autoscaling_stats
 from server.engine.config import EngineConfig
 from server.http_app import create_app
-from server.local_client import LocalModelClient
+from server.model_client import LocalModelClient, ModelClient
 from server.openai_api import ApiLimits, OpenAIApi
 from server.router import CacheAwareRouter, routing_stats
 from server.serve_config import ServeConfig
@@ -88,37 +88,24 @@ class _Reporter(threading.Thread):
             logger.exception("metrics report failed")
 
 
-class ModelReplica:
+class ModelReplica(LocalModelClient):
     """One replica = one engine (in its own process) for one model. Config arrives as arguments,
-    read here in __init__."""
+    read here in __init__. It is the local client of its worker: a RayModelClient's calls land on the
+    ModelClient methods it inherits; Serve's own calls (health checks, autoscaling and routing
+    stats) are here."""
 
     def __init__(self, name: str, engine_config: EngineConfig, hub_resources: dict[str, float] | None = None) -> None:
-        self.worker = ModelWorker(name, engine_config)
+        super().__init__(ModelWorker(name, engine_config))
         ctx = serve.get_replica_context()
         self.reporter = _Reporter(self.worker, metrics_hub(ctx.app_name, hub_resources), ctx.replica_id.unique_id,
                                   ray.get_runtime_context().get_node_id())
         self.reporter.push()
         self.reporter.start()
 
-    async def info(self) -> ModelInfo:
-        return self.worker.info
-
-    async def health(self) -> bool:
-        return self.worker.is_healthy
-
     def check_health(self) -> None:
         """Serve restarts the replica when this raises (the engine process died)."""
         if not self.worker.is_healthy:
             raise RuntimeError(f"engine process is not running: {self.worker.engine.dead}")
-
-    async def generate(self, call: GenerateCall) -> AsyncIterator[PromptInfo | Chunk]:
-        # NOTE: Serve cancels this generator when the caller goes away; the worker's stream
-        # then aborts the request in the engine, which frees its KV blocks.
-        async for item in self.worker.generate(call):
-            yield item
-
-    async def encode(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool) -> list[int]:
-        return self.worker.encode(prompt, messages, add_special_tokens)
 
     async def stats(self) -> dict[str, int]:
         return self.worker.stats()
@@ -140,22 +127,6 @@ class ModelReplica:
     async def engine_pid(self) -> int:
         return self.worker.engine.pid
 
-    async def inject_step_failures(self, count: int) -> None:
-        """Chaos testing: the next `count` model steps raise. Refused unless ATTNSERVE_CHAOS=1."""
-        _check_chaos()
-        self.worker.inject_step_failures(count)
-
-    async def slow_steps(self, delay_s: float) -> None:
-        """Chaos testing: sleep before every model step. Refused unless ATTNSERVE_CHAOS=1."""
-        _check_chaos()
-        self.worker.slow_steps(delay_s)
-
-    async def decode(self, token_ids: list[int]) -> str:
-        return self.worker.decode(token_ids)
-
-    async def attention(self, call: AttentionCall) -> AttentionMap:
-        return await self.worker.attention(call)
-
     def __del__(self) -> None:
         reporter = getattr(self, "reporter", None)
         if reporter is not None:
@@ -164,11 +135,6 @@ class ModelReplica:
         worker = getattr(self, "worker", None)
         if worker is not None:
             worker.shutdown()
-
-
-def _check_chaos() -> None:
-    if os.environ.get("ATTNSERVE_CHAOS") != "1":
-        raise PermissionError("fault injection is disabled (set ATTNSERVE_CHAOS=1 on the replicas)")
 
 
 ModelDeployment = serve.deployment(health_check_period_s=5, health_check_timeout_s=30)(ModelReplica)
@@ -199,11 +165,11 @@ class ModelServer(ModelReplica, _ServesApi):
     def __init__(self, name: str, engine_config: EngineConfig, limits: ApiLimits, api_key: str | None,
                  hub_resources: dict[str, float] | None = None) -> None:
         super().__init__(name, engine_config, hub_resources)
-        self._serve_api({name: LocalModelClient(self.worker)}, limits, api_key, hub_resources)
+        self._serve_api({name: self}, limits, api_key, hub_resources)
 
 
-class RayModelClient:
-    """ModelClient over a Serve handle; closing a stream cancels the request in the replica.
+class RayModelClient(ModelClient):
+    """ModelClient over a Serve handle to a `ModelReplica`; closing a stream cancels the request there.
 
     With a tokenizer (cache-aware routing), prompts are tokenized here, once, and their full
     blocks hashed as the prefix cache hashes them, so the router can see what they share."""
@@ -226,12 +192,6 @@ class RayModelClient:
         return replace(call, prompt=None, messages=None, tools=None, prompt_token_ids=ids,
                        block_hashes=tuple(prompt_block_hashes(ids, self._block_size)))
 
-    async def info(self) -> ModelInfo:
-        return await self.handle.info.remote()
-
-    async def health(self) -> bool:
-        return await self.handle.health.remote()
-
     async def generate(self, call: GenerateCall) -> AsyncIterator[PromptInfo | Chunk]:
         response = self.stream_handle.generate.remote(await self._routable(call))
         try:
@@ -240,14 +200,30 @@ class RayModelClient:
         finally:
             response.cancel()
 
+    async def _call(self, method: str, *args: Any) -> Any:
+        """The replica's method of the same name (ModelReplica is a LocalModelClient)."""
+        return await getattr(self.handle, method).remote(*args)
+
+    async def info(self) -> ModelInfo:
+        return await self._call("info")
+
+    async def health(self) -> bool:
+        return await self._call("health")
+
     async def encode(self, prompt, messages, add_special_tokens: bool) -> list[int]:
-        return await self.handle.encode.remote(prompt, messages, add_special_tokens)
+        return await self._call("encode", prompt, messages, add_special_tokens)
 
     async def decode(self, token_ids: list[int]) -> str:
-        return await self.handle.decode.remote(token_ids)
+        return await self._call("decode", token_ids)
 
     async def attention(self, call: AttentionCall) -> AttentionMap:
-        return await self.handle.attention.remote(call)
+        return await self._call("attention", call)
+
+    async def inject_step_failures(self, count: int) -> None:
+        await self._call("inject_step_failures", count)
+
+    async def slow_steps(self, delay_s: float) -> None:
+        await self._call("slow_steps", delay_s)
 
 
 @serve.deployment(max_ongoing_requests=2048, ray_actor_options={"num_cpus": 0})

@@ -32,9 +32,10 @@ def collect() -> dict:
     import torch
 
     from kvcache import ops
-    from models.cpu_features import ISA_LEVELS, choose_isa, isa_cap, read_cpu_features
-    from models.cpu_path import DTYPES, choose_cpu_path, detect
-    from models.native import SOURCES, compiler_version, library_path
+    from models.native.cpu_features import ISA_LEVELS, choose_isa, isa_cap, read_cpu_features
+    from models.native.cpu_path import DTYPES, choose_cpu_path
+    from models.native.probe import detect
+    from models.native.toolchain import SOURCES, compiler_version, library_path
     from server.engine.compilation import inductor_cache_dir
 
     features = read_cpu_features()
@@ -62,7 +63,7 @@ def collect() -> dict:
                   "onednn_packs": sorted(caps.onednn_dtypes), "num_threads": torch.get_num_threads(),
                   "cuda": torch.version.cuda or "none"},
         "compiler": compiler,
-        "kernels": {"attention": ops.CPU_BACKEND, "panel_linear": caps.panel_kernel, "libraries": libraries},
+        "kernels": {"attention": ops.cpu_backend(), "panel_linear": caps.panel_kernel, "libraries": libraries},
         "inductor_cache": str(inductor_cache_dir()),
         "paths": paths,
         "packages": {p: _version(p) for p in ("ray", "transformers", "tokenizers", "numpy")},

@@ -19,10 +19,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import eval_results
-from server.metrics import dashboard_data, render_prometheus
+from server.dashboard import dashboard_data
 from server.openai_api import ApiError, OpenAIApi
-from server.protocol import (AttentionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                             TokenizeRequest, error_body)
+from server.prometheus import render_prometheus
+from server.protocol import (
+    AttentionRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
 
 logger = logging.getLogger(__name__)
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")

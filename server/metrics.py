@@ -3,23 +3,21 @@
 A `MetricsRecorder` in each replica is fed values only: each finished request's `RequestStats`
 and the engine's latest `EngineStats`, both sent by the engine process with its outputs. It turns
 them into plain-dict snapshots; snapshots from every replica (pushed to one hub actor in a cluster) are merged and
-rendered here, for Prometheus (`render_prometheus`) and for the built-in dashboard
-(`dashboard_data`). No Ray imports: the transport lives in server/deployment.py.
+rendered for Prometheus (server/prometheus.py) and for the built-in dashboard (server/dashboard.py),
+which read them with the helpers at the end of this module. No Ray imports: the transport lives in
+server/deployment.py.
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import os
 import threading
 import time
 from collections import deque
 from typing import Any, Iterable
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-from server.kv_forms import KV_CURVE_LENGTHS, curve_lengths, kv_bytes_at, kv_bytes_per_token_at, kv_forms
+from models.native.memory import resident_bytes
+from server.kv_forms import kv_bytes_per_token_at
 from server.wire import EngineStats, ModelInfo, RequestStats
 
 PREFIX = "attnserve"
@@ -208,7 +206,7 @@ class MetricsRecorder:
                 "kv_bytes_total": info.num_blocks * bytes_per_block,
                 "kv_bytes_used": e.num_used_blocks * bytes_per_block,
                 "requests_running": e.num_running, "requests_waiting": e.num_waiting,
-                "resident_memory_bytes": resident_memory_bytes() + e.resident_memory_bytes,
+                "resident_memory_bytes": resident_bytes()[0] + e.resident_memory_bytes,
             },
             "static": {"kv_bytes_per_token": info.kv_bytes_per_token, "block_size": info.block_size,
                        "kv_block_bytes": bytes_per_block, "layer_windows": list(info.layer_windows),
@@ -230,18 +228,10 @@ def block_bytes(kv_bytes_per_token: int, block_size: int, kv_block_bytes: int = 
     return kv_block_bytes or kv_bytes_per_token * block_size
 
 
-def _static_block_bytes(static: dict) -> int:
+# ---- reading snapshots (server/prometheus.py, server/dashboard.py) ------------------------------
+def static_block_bytes(static: dict) -> int:
     """block_bytes of a snapshot's static facts (older snapshots lack kv_block_bytes: no windows then)."""
     return block_bytes(static["kv_bytes_per_token"], static["block_size"], static.get("kv_block_bytes", 0))
-
-
-def resident_memory_bytes() -> int:
-    """This process's resident memory (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
 
 
 def fresh(snapshots: list[dict], now: float) -> list[dict]:
@@ -249,7 +239,7 @@ def fresh(snapshots: list[dict], now: float) -> list[dict]:
     return [s for s in snapshots if now - s["time"] <= STALE_AFTER_S]
 
 
-def _spec(snaps: list[dict]) -> tuple[list[int], list[int]]:
+def spec_counts(snaps: list[dict]) -> tuple[list[int], list[int]]:
     """Per-position drafted and accepted counts summed over replicas (older snapshots lack them)."""
     drafted: list[int] = []
     accepted: list[int] = []
@@ -261,216 +251,26 @@ def _spec(snaps: list[dict]) -> tuple[list[int], list[int]]:
     return drafted, accepted
 
 
-def _by_model(snapshots: list[dict]) -> dict[tuple[str, ...], list[dict]]:
+def by_model(snapshots: list[dict]) -> dict[tuple[str, ...], list[dict]]:
     groups: dict[tuple[str, ...], list[dict]] = {}
     for s in snapshots:
         groups.setdefault(tuple(s["labels"][k] for k in MODEL_LABELS), []).append(s)
     return groups
 
 
-class _SnapshotCollector:
-    def __init__(self, snapshots: list[dict], now: float) -> None:
-        self.snapshots, self.now = snapshots, now
-
-    def collect(self):
-        groups = _by_model(self.snapshots)
-        labels = list(MODEL_LABELS)
-
-        g = {
-            "kv_blocks": GaugeMetricFamily(f"{PREFIX}_kv_blocks", "KV blocks by state (summed over live replicas)",
-                                           labels=labels + ["state"]),
-            "kv_bytes": GaugeMetricFamily(f"{PREFIX}_kv_bytes", "KV-cache bytes by state (summed over live replicas)",
-                                          labels=labels + ["state"]),
-            "kv_bytes_per_token": GaugeMetricFamily(f"{PREFIX}_kv_bytes_per_token",
-                                                    "2 x layers x kv_heads x head_dim x KV dtype bytes", labels=labels),
-            # NOTE: with sliding-window layers per-token bytes fall with length (a windowed layer keeps
-            # at most its window + one block); without, this equals kv_bytes_per_token at every length
-            "kv_bytes_per_token_at_length": GaugeMetricFamily(
-                f"{PREFIX}_kv_bytes_per_token_at_length",
-                "KV bytes the pool holds for one sequence of `tokens` tokens, per token (block granular)",
-                labels=labels + ["tokens"]),
-            "kv_cache_usage_ratio": GaugeMetricFamily(f"{PREFIX}_kv_cache_usage_ratio", "Used / total KV blocks",
-                                                      labels=labels),
-            "requests_running": GaugeMetricFamily(f"{PREFIX}_requests_running", "Requests being decoded or prefilled",
-                                                  labels=labels),
-            "requests_waiting": GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Requests queued for admission",
-                                                  labels=labels),
-            "replicas": GaugeMetricFamily(f"{PREFIX}_replicas", "Live replicas reporting", labels=labels),
-            "memory": GaugeMetricFamily(f"{PREFIX}_replica_resident_memory_bytes",
-                                        "Resident memory of the model replicas (summed)", labels=labels),
-            # NOTE: per replica, not summed: what one engine's weights take as served, next to its KV pool
-            "weight_bytes": GaugeMetricFamily(f"{PREFIX}_model_weight_bytes",
-                                              "Bytes one replica's weights take as served (quantization: their format)",
-                                              labels=labels + ["quantization"]),
-        }
-        counters = {name: CounterMetricFamily(f"{PREFIX}_{name}", help_, labels=labels) for name, help_ in COUNTERS.items()}
-        finished = CounterMetricFamily(f"{PREFIX}_requests", "Finished requests by reason", labels=labels + ["finish_reason"])
-        errors = CounterMetricFamily(f"{PREFIX}_request_errors", "Failed or rejected requests by error type",
-                                     labels=labels + ["error_type"])
-        structured = CounterMetricFamily(f"{PREFIX}_structured_requests",
-                                         "Finished constrained requests by kind (json, json_object, regex, choice, "
-                                         "grammar, tool_call)", labels=labels + ["kind"])
-        spec = {name: CounterMetricFamily(f"{PREFIX}_spec_decode_{name}", help_, labels=labels)
-                for name, help_ in SPEC_COUNTERS.items()}
-        spec_pos = {name: CounterMetricFamily(f"{PREFIX}_spec_decode_{name}", help_, labels=labels + ["position"])
-                    for name, help_ in SPEC_POS_COUNTERS.items()}
-        hists = {name: HistogramMetricFamily(f"{PREFIX}_{name}", help_, labels=labels + ([label] if label else []))
-                 for name, (help_, _, label) in HISTOGRAMS.items()}
-        for key, snaps in groups.items():
-            lv = list(key)
-            live = fresh(snaps, self.now)
-            gs = lambda k: sum(s["gauges"][k] for s in live)  # noqa: E731
-            for state, k in (("total", "kv_blocks_total"), ("used", "kv_blocks_used"), ("cached_free", "kv_blocks_cached_free")):
-                g["kv_blocks"].add_metric(lv + [state], gs(k))
-            for state, k in (("capacity", "kv_bytes_total"), ("used", "kv_bytes_used")):
-                g["kv_bytes"].add_metric(lv + [state], gs(k))
-            g["kv_bytes_per_token"].add_metric(lv, max(s["static"]["kv_bytes_per_token"] for s in snaps))
-            static = _newest_static(snaps)
-            for n in KV_CURVE_LENGTHS:
-                g["kv_bytes_per_token_at_length"].add_metric(lv + [str(n)], _per_token_at(static, n))
-            total = gs("kv_blocks_total")
-            g["kv_cache_usage_ratio"].add_metric(lv, gs("kv_blocks_used") / total if total else 0.0)
-            g["requests_running"].add_metric(lv, gs("requests_running"))
-            g["requests_waiting"].add_metric(lv, gs("requests_waiting"))
-            g["replicas"].add_metric(lv, len(live))
-            g["memory"].add_metric(lv, gs("resident_memory_bytes"))
-            weights = _weights(snaps)
-            if weights is not None:  # older replicas' snapshots lack it
-                g["weight_bytes"].add_metric(lv + [weights[0]], weights[1])
-            for name, fam in counters.items():
-                fam.add_metric(lv, sum(s["counters"][name] for s in snaps))
-            for field, fam in (("finish_reasons", finished), ("errors", errors), ("structured", structured)):
-                merged: dict[str, int] = {}
-                for s in snaps:
-                    for k, v in s.get(field, {}).items():
-                        merged[k] = merged.get(k, 0) + v
-                for k, v in sorted(merged.items()):
-                    fam.add_metric(lv + [k], v)
-            drafted, accepted = _spec(snaps)
-            for name, v in spec_totals(drafted, accepted).items():
-                spec[name].add_metric(lv, v)
-            for i, (d, a) in enumerate(zip(drafted, accepted)):
-                spec_pos["num_draft_tokens_per_pos"].add_metric(lv + [str(i)], d)
-                spec_pos["num_accepted_tokens_per_pos"].add_metric(lv + [str(i)], a)
-            for name, fam in hists.items():
-                if name not in snaps[0]["histograms"]:  # an older replica's snapshot
-                    continue
-                buckets = snaps[0]["histograms"][name]["buckets"]
-                merged_series: dict[str, list] = {}
-                for s in snaps:
-                    for k, v in s["histograms"][name]["series"].items():
-                        acc = merged_series.setdefault(k, [0] * len(v))
-                        for i, x in enumerate(v):
-                            acc[i] += x
-                for k, v in sorted(merged_series.items(), key=lambda kv: _bucket_order(kv[0])):
-                    cumulative, pairs = 0, []
-                    for edge, count in zip([*buckets, float("inf")], v[:-1]):
-                        cumulative += count
-                        pairs.append(("+Inf" if edge == float("inf") else _edge(edge), cumulative))
-                    fam.add_metric(lv + ([k] if HISTOGRAMS[name][2] else []), pairs, v[-1])
-        yield from g.values()
-        yield from counters.values()
-        yield finished
-        yield errors
-        yield structured
-        yield from spec.values()
-        yield from spec_pos.values()
-        yield from hists.values()
-
-
-def _edge(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else repr(v)
-
-
-def _bucket_order(label: str) -> int:
-    return int(label.split("-")[0]) if label and label[0].isdigit() else 0
-
-
-def render_prometheus(snapshots: list[dict], now: float | None = None) -> bytes:
-    """Prometheus text exposition of the merged snapshots."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(snapshots, time.time() if now is None else now))
-    return generate_latest(registry)
-
-
-def _weights(snaps: list[dict]) -> tuple[str, int] | None:
+def weights_of(snaps: list[dict]) -> tuple[str, int] | None:
     """(quantization, weight bytes) of a model's replicas: the newest report's (all load the same)."""
     statics = [s["static"] for s in sorted(snaps, key=lambda s: s["time"]) if "weight_bytes" in s["static"]]
     return (str(statics[-1]["quantization"]), int(statics[-1]["weight_bytes"])) if statics else None
 
 
-def _newest_static(snaps: list[dict]) -> dict:
+def newest_static(snaps: list[dict]) -> dict:
     return max(snaps, key=lambda s: s["time"])["static"]
 
 
-def _windows(static: dict) -> tuple[int | None, ...]:
+def layer_windows(static: dict) -> tuple[int | None, ...]:
     return tuple(static.get("layer_windows") or ())  # older snapshots: every layer global
 
 
-def _per_token_at(static: dict, num_tokens: int) -> float:
-    return kv_bytes_per_token_at(static["kv_bytes_per_token"], _windows(static), static["block_size"], num_tokens)
-
-
-def _curve(static: dict) -> list[list[int]]:
-    """[[tokens, KV bytes of one sequence of that many tokens], ...] from one block to 32k tokens (or
-    the context, if longer): the dashboard's bytes-per-token lines and its capacity chart."""
-    hi = max(KV_CURVE_LENGTHS[-1], static["max_model_len"])
-    return [[n, kv_bytes_at(static["kv_bytes_per_token"], _windows(static), static["block_size"], n)]
-            for n in curve_lengths(static["block_size"], hi)]
-
-
-def _forms(static: dict, kv_heads: int) -> list[dict]:
-    """MHA / GQA / MQA what-if rows for one replica's pool (older snapshots lack the head count)."""
-    if not static.get("num_heads") or not static.get("num_blocks"):
-        return []
-    pool = static["num_blocks"] * _static_block_bytes(static)
-    return kv_forms(static["num_heads"], kv_heads, static["kv_bytes_per_token"], pool, static["block_size"],
-                    layer_windows=_windows(static))
-
-
-def _replicas_by_node(live: list[dict]) -> dict[str, list[str]]:
-    nodes: dict[str, list[str]] = {}
-    for snap in live:
-        nodes.setdefault(snap.get("node", "local"), []).append(snap.get("replica", "?"))
-    return {node: sorted(ids) for node, ids in sorted(nodes.items())}
-
-
-def dashboard_data(snapshots: list[dict], now: float | None = None) -> dict[str, Any]:
-    """Per model: static KV facts, live gauges, recent (seq_len, kv_bytes, ttft, itl, e2e) points and
-    speculative decoding's counts."""
-    now = time.time() if now is None else now
-    models = []
-    for (model, attention, kv_heads, kv_cache_dtype), snaps in sorted(_by_model(snapshots).items()):
-        live = fresh(snaps, now)
-        static = snaps[0]["static"]
-        recent = sorted((r for s in snaps for r in s["recent"]), key=lambda r: r[0])[-2000:]
-        weights = _weights(snaps) or (None, None)
-        drafted, accepted = _spec(snaps)
-        models.append({
-            "model": model, "attention": attention, "kv_heads": int(kv_heads), "kv_cache_dtype": kv_cache_dtype,
-            "kv_bytes_per_token": static["kv_bytes_per_token"], "block_size": static["block_size"],
-            "max_model_len": static["max_model_len"],
-            "layer_windows": list(_windows(static)), "kv_block_bytes": _static_block_bytes(static),
-            "attention_variants": static.get("attention_variants", []),
-            "kv_bytes_per_token_at": {str(n): _per_token_at(static, n) for n in KV_CURVE_LENGTHS},
-            "kv_curve": _curve(static),
-            "quantization": weights[0], "weight_bytes": weights[1],
-            "kv_blocks_total": sum(s["gauges"]["kv_blocks_total"] for s in live),
-            "kv_blocks_used": sum(s["gauges"]["kv_blocks_used"] for s in live),
-            "requests_running": sum(s["gauges"]["requests_running"] for s in live),
-            "replicas": len(live),
-            # NOTE: replicas report a "replica" and "node" (Ray ids) next to their counts
-            "replicas_by_node": _replicas_by_node(live),
-            # NOTE: a sharded model's replicas list their ranks (tensor x pipeline parallel workers)
-            "tensor_parallel_size": static.get("tensor_parallel_size", 1),
-            "pipeline_parallel_size": static.get("pipeline_parallel_size", 1),
-            "workers": [{**w, "replica": snap.get("replica", "?")} for snap in live for w in snap.get("workers", [])],
-            "forms": _forms(static, int(kv_heads)),
-            "speculative": static.get("speculative"),
-            # NOTE: None until a request drafted: the page shows acceptance only where there is some
-            "spec_decode": {**spec_totals(drafted, accepted), "drafted_per_pos": drafted,
-                            "accepted_per_pos": accepted} if drafted else None,
-            "requests": [{"seq_len": r[0], "prompt_tokens": r[1], "output_tokens": r[2], "kv_bytes": r[3],
-                          "ttft": r[4], "itl": r[5], "e2e": r[6]} for r in recent],
-        })
-    return {"time": now, "models": models}
+def per_token_at(static: dict, num_tokens: int) -> float:
+    return kv_bytes_per_token_at(static["kv_bytes_per_token"], layer_windows(static), static["block_size"], num_tokens)

@@ -8,7 +8,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from server.engine.sampling_params import MAX_LOGPROBS, MAX_TEMPERATURE
 
 
-
 class _Body(BaseModel):
     # NOTE: unknown fields are errors, so an unsupported parameter gets a 400 instead of being ignored.
     model_config = ConfigDict(extra="forbid")

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.cpu_path import CpuPath
+from models.native.cpu_path import CpuPath
 from server.engine.sampling_params import SamplingParams
 
 

@@ -8,17 +8,27 @@ import asyncio
 from dataclasses import asdict, replace
 from typing import Any, AsyncIterator, Sequence
 
-from models.loader import load_tokenizer
 from models.registry import resolve_model
+from models.tokenizer import load_tokenizer
 from server.engine.admission import check_token_ids, validate_request
 from server.engine.config import EngineConfig
 from server.engine.core_client import EngineCoreClient
 from server.engine.errors import InvalidRequestError, QueueFullError
 from server.engine.grammar import check as check_grammar
-from server.tools import template_messages
 from server.metrics import MetricsRecorder
-from server.wire import (AttentionCall, AttentionMap, Chunk, GenerateCall, LogprobEntry, ModelInfo, PromptInfo,
-                         RequestOutput, StepOutputs, TokenLogprob)
+from server.tools import template_messages
+from server.wire import (
+    AttentionCall,
+    AttentionMap,
+    Chunk,
+    GenerateCall,
+    LogprobEntry,
+    ModelInfo,
+    PromptInfo,
+    RequestOutput,
+    StepOutputs,
+    TokenLogprob,
+)
 
 
 def _byte_level_table() -> dict[str, int]:

@@ -10,7 +10,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # took 4.8 s spinning, 1.6 s passive (1 thread: 2.9 s); alone, 1.0-1.2 s either way.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from models.cpu_features import apply_isa_cap  # noqa: E402
+from models.native.cpu_features import apply_isa_cap  # noqa: E402
 
 apply_isa_cap()  # NOTE: before torch: a run under ATTNSERVE_CPU_ISA=avx2 is a run on an AVX2 CPU
 
@@ -20,11 +20,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from loadtests.servers import free_port  # noqa: E402
-from tests.budget import (  # noqa: E402,F401  (the time guard)
-    pytest_runtest_logreport, pytest_runtest_makereport, pytest_terminal_summary)
 from tests import scheduling  # noqa: E402
+from tests.budget import pytest_runtest_logreport, pytest_runtest_makereport, pytest_terminal_summary  # noqa: E402,F401  (the time guard)
 from tests.tiny import ARCHS, VARIANT_ARCHS, make_checkpoint  # noqa: E402
-
 
 # a Ray cluster or a listening server: `make test-fast` leaves out every test that uses one (the files
 # that start their own, test_cli_serve and test_two_nodes, carry the mark themselves)
@@ -165,8 +163,8 @@ def serve_url(ray_session, tiny_variants) -> str:
     from ray import serve
 
     from server.deployment import build_app
-    from server.openai_api import ApiLimits
     from server.engine.config import EngineConfig
+    from server.openai_api import ApiLimits
     from server.serve_config import ServeConfig
 
     cfg = ServeConfig(

@@ -10,7 +10,7 @@ import pytest
 from server.engine import EngineConfig
 from server.engine.sampling_params import SamplingParams
 from server.http_app import create_app
-from server.local_client import LocalModelClient
+from server.model_client import LocalModelClient
 from server.openai_api import ApiLimits, OpenAIApi
 from server.wire import Chunk, GenerateCall, ModelInfo, PromptInfo
 from server.worker import ModelWorker
@@ -254,7 +254,7 @@ class CannedClient:
         self.speculative = speculative
 
     async def info(self) -> ModelInfo:
-        from models.cpu_path import CpuPath
+        from models.native.cpu_path import CpuPath
 
         return ModelInfo(256, "gqa", 2, 128, 100, 16, 100, 4, "float32",
                          CpuPath("cpu", "avx2", "float32", "float32", "torch", "sdpa", 1), "none", 1000, self.speculative)
@@ -291,7 +291,7 @@ def test_usage_counts_drafts_only_for_speculative_models():
 def test_usage_carries_the_engines_draft_counts(tiny_checkpoints):
     """n-gram drafts on the tiny model (greedy, a few of its tokens recur and some drafts hold): the
     response's counts are those the replica's metrics recorded."""
-    from server.metrics import render_prometheus
+    from server.prometheus import render_prometheus
     from tests.test_metrics_unit import parse, value
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,

@@ -29,7 +29,7 @@ def page_url(tiny_checkpoints, variant_checkpoints):
 
     from server.engine import EngineConfig
     from server.http_app import create_app
-    from server.local_client import LocalModelClient
+    from server.model_client import LocalModelClient
     from server.openai_api import ApiLimits, OpenAIApi
     from server.worker import ModelWorker
 

@@ -54,7 +54,7 @@ def attention_app(tiny_checkpoints, variant_checkpoints):
     use: a windowed model that fails to load fails its own tests only."""
     from server.engine import EngineConfig
     from server.http_app import create_app
-    from server.local_client import LocalModelClient
+    from server.model_client import LocalModelClient
     from server.openai_api import ApiLimits, OpenAIApi
     from server.worker import ModelWorker
 

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.block_pool import BlockPool, FreeBlockQueue, Block, hash_block_tokens
+from kvcache.block_pool import Block, BlockPool, FreeBlockQueue, hash_block_tokens
 from kvcache.manager import KVCacheManager
 
 

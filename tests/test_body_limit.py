@@ -120,7 +120,7 @@ def uvicorn_url(tiny_checkpoints):
     from loadtests.servers import free_port
     from server.engine import EngineConfig
     from server.http_app import create_app
-    from server.local_client import LocalModelClient
+    from server.model_client import LocalModelClient
     from server.openai_api import ApiLimits, OpenAIApi
     from server.worker import ModelWorker
 

@@ -61,7 +61,7 @@ def test_make_serve_answers_the_readme_snippets_and_drains_on_sigterm(tmp_path):
     try:
         wait_ready(url, proc, timeout=300)
         path = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["cpu_path"]
-        from models.native import machine_isa
+        from models.native.cpu_features import machine_isa
 
         # --dtype auto: bf16 only where this CPU (or the cap CI runs under) has bf16 arithmetic
         native_bf16 = machine_isa() == "avx512_bf16"
@@ -107,8 +107,9 @@ def test_make_serve_answers_the_readme_snippets_and_drains_on_sigterm(tmp_path):
 
 def offline_answer(serve_yaml, question: str, max_tokens: int) -> str:
     """The greedy chat answer of an LLMEngine built in this process from serve.yaml's engine fields."""
-    import yaml
     from dataclasses import replace
+
+    import yaml
 
     from server.engine import LLMEngine, SamplingParams
     from server.serve_config import ServeConfig

@@ -35,7 +35,7 @@ STEPS = [pytest.param("float32", "native", id="float32-native"),
 @pytest.mark.parametrize("dtype,step", STEPS)
 def test_compiled_and_eager_give_the_same_greedy_tokens(default_model_dir, dtype, step):
     """A batch that hits the prefix cache and, with a small KV pool, preempts; through the compiled step
-    or the native decoder (models/native_decoder.py: the default model's Q4_1 layers) against eager.
+    or the native decoder (server/engine/native_decoder.py: the default model's Q4_1 layers) against eager.
     fp32: identical tokens. bf16: fused kernels sum their reductions in another order, so a bf16 ulp can
     flip a near-tie; tokens are identical up to a first difference that must be a near-tie both ways."""
     tok = load_tokenizer(default_model_dir)

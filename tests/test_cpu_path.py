@@ -15,9 +15,16 @@ from pathlib import Path
 import pytest
 
 from models import cpu_features
-from models.cpu_features import (ISA_LEVELS, CpuFeatures, capped_march, choose_isa, isa_cap, parse_cpuinfo,
-                                 torch_isa_env)
-from models.cpu_path import DTYPES, CpuCapabilities, choose_cpu_path, resolve_dtype
+from models.native.cpu_features import (
+    ISA_LEVELS,
+    CpuFeatures,
+    capped_march,
+    choose_isa,
+    isa_cap,
+    parse_cpuinfo,
+    torch_isa_env,
+)
+from models.native.cpu_path import DTYPES, CpuCapabilities, choose_cpu_path, resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -190,7 +197,7 @@ def test_artifacts_are_named_by_level_and_cpu(monkeypatch, tmp_path):
 def lower_levels() -> None:
     """Every library at AVX2 and at the portable level, compiled side by side once: the capped runs
     below load them, and so does `make test-isa` after this file."""
-    from models.native import build_all, host_levels
+    from models.native.toolchain import build_all, host_levels
 
     build_all([level for level in ("avx2", "generic") if level in host_levels()])
 
@@ -205,7 +212,7 @@ def _disassembly(path: Path) -> str:
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86 levels")
 def test_lower_levels_hold_no_higher_instructions(lower_levels):
     """The AVX2 build has no AVX-512 register in it; the portable one no AVX at all."""
-    from models.native import build
+    from models.native.toolchain import build
 
     for name in ("paged_attention", "panel_linear"):
         avx2, generic = _disassembly(build(name, "avx2")), _disassembly(build(name, "generic"))
@@ -219,7 +226,8 @@ def test_a_shared_cache_never_loads_another_cpus_kernel(tmp_path, lower_levels):
     """A cache directory shared with a machine of another level holds that machine's library
     (here: a file that cannot load, at the name this CPU's own level would use). A faked
     AVX2-only CPU loads its own AVX2 build and never touches it; the real CPU does try it."""
-    from models.native import build, library_path, read_cpu_features
+    from models.native.cpu_features import read_cpu_features
+    from models.native.toolchain import build, library_path
 
     cache = tmp_path / "cache"
     own = library_path("paged_attention", "avx2")
@@ -230,7 +238,7 @@ def test_a_shared_cache_never_loads_another_cpus_kernel(tmp_path, lower_levels):
     # NOTE: on an AVX2-only CPU the other machine is an AVX-512 one (its file must not land on our own)
     other = "avx512" if top == "avx2" else top
     (cache / "native" / library_path("paged_attention", other).name).write_bytes(b"built elsewhere")
-    fake_avx2 = ("import models.cpu_features as f\n"
+    fake_avx2 = ("import models.native.cpu_features as f\n"
                  f"f.read_cpu_features = lambda: f.parse_cpuinfo({CPUS['epyc_avx2'][0]!r}, 'x86_64')\n")
     probe = "from kvcache import ops; print(ops.CPU_BACKEND)"
     env = {"ATTNSERVE_CACHE_DIR": str(cache), "ATTNSERVE_CPU_ISA": "auto"}
@@ -299,7 +307,7 @@ def test_processes_capped_early_and_late_share_a_compile_cache(tmp_path, tiny_ch
             "if sys.argv[1] == 'late':\n"
             "    import torch; torch.ones(2).sum()  # torch's kernels start before the cap\n"
             "else:\n"
-            "    from models.cpu_features import apply_isa_cap; apply_isa_cap()\n"
+            "    from models.native.cpu_features import apply_isa_cap; apply_isa_cap()\n"
             "import torch\n"
             "from server.engine import EngineConfig, LLMEngine, SamplingParams\n"
             "from server.engine.compilation import inductor_cache_dir\n"
@@ -310,7 +318,7 @@ def test_processes_capped_early_and_late_share_a_compile_cache(tmp_path, tiny_ch
     from tests.reference import hf_greedy, load_hf
 
     expected = ",".join(map(str, hf_greedy(load_hf(tiny_checkpoints["llama"]), [5, 6, 7, 8, 9], 8)))
-    from models.registry import cache_dir
+    from models.native.cache import cache_dir
 
     (tmp_path / "native").symlink_to(cache_dir() / "native")  # NOTE: inductor's cache is the subject, not the kernels
     env = {"ATTNSERVE_CACHE_DIR": str(tmp_path), "ATTNSERVE_CPU_ISA": "avx2"}
@@ -332,9 +340,9 @@ def test_processes_capped_early_and_late_share_a_compile_cache(tmp_path, tiny_ch
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="a cross-compile from x86")
 def test_portable_kernels_compile_for_aarch64():
     """The portable build is plain C++ with vector extensions: it compiles for ARM too."""
-    from models.native import SOURCES, command
-
     from concurrent.futures import ThreadPoolExecutor
+
+    from models.native.toolchain import SOURCES, command
 
     cross = shutil.which("aarch64-linux-gnu-g++")
     assert cross, "aarch64-linux-gnu-g++ missing: `make test` installs Debian's g++-aarch64-linux-gnu"

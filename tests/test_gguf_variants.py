@@ -20,7 +20,13 @@ from models.gguf_file import read_gguf
 from models.quant_formats import QuantizedTensor
 from tests.tiny import CORPUS, VARIANT_ARCHS, WINDOW, model_type
 from tests.tiny_gguf import (
-    Q8_0, SMALL_MIXED, convert_with_llama_cpp, gguf_name, llama_cpp_source, reference_dir, write_tiny_gguf,
+    Q8_0,
+    SMALL_MIXED,
+    convert_with_llama_cpp,
+    gguf_name,
+    llama_cpp_source,
+    reference_dir,
+    write_tiny_gguf,
 )
 
 KINDS = {"F32": {}, "Q8_0": Q8_0, "mixed": SMALL_MIXED}
@@ -299,7 +305,8 @@ def test_greedy_matches_hf(arch, kind, sources, ggufs):
     """Loaded for serving from the GGUF (kept quantized: the quantized kernels), fp32: HF transformers' logits
     and greedy tokens on the weights and config the GGUF holds (reference_dir); where the GGUF loses nothing,
     HF's on the source checkpoint itself."""
-    from models.loader import load_for_serving, load_tokenizer
+    from models.loader import load_for_serving
+    from models.tokenizer import load_tokenizer
     from tests.reference import dense_greedy, hf_greedy, load_hf
 
     out = ggufs(arch, kind)

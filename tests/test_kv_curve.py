@@ -15,10 +15,11 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcache.storage import KVCacheSpec
-from models.cpu_path import CpuPath
-from server.kv_forms import (KV_CURVE_LENGTHS, curve_lengths, kv_bytes_at, kv_bytes_per_token_at, kv_curve,
-                             kv_forms)
-from server.metrics import MetricsRecorder, dashboard_data, render_prometheus
+from models.native.cpu_path import CpuPath
+from server.dashboard import dashboard_data
+from server.kv_forms import KV_CURVE_LENGTHS, curve_lengths, kv_bytes_at, kv_bytes_per_token_at, kv_curve, kv_forms
+from server.metrics import MetricsRecorder
+from server.prometheus import render_prometheus
 from server.wire import EngineStats, ModelInfo
 
 # per layer: a window in tokens or None (global)
@@ -212,7 +213,7 @@ def gemma2_server(variant_checkpoints):
     from loadtests.servers import free_port
     from server.engine import EngineConfig
     from server.http_app import create_app
-    from server.local_client import LocalModelClient
+    from server.model_client import LocalModelClient
     from server.openai_api import OpenAIApi
     from server.worker import ModelWorker
 
@@ -300,11 +301,10 @@ def test_eval_row_carries_the_curve_of_a_windowed_model(tmp_path, monkeypatch, v
     the score is the dense model's and the row's per-token bytes fall to the global layer's half."""
     from models import load_model, load_tokenizer
     from models.perplexity import perplexity
+    from server import eval_results
     from server.cli import EVAL_KEYS, main
     from tests.test_eval import TEXT
     from tests.tiny import WINDOW
-
-    from server import eval_results
 
     # NOTE: the rows' file only: a fresh ATTNSERVE_CACHE_DIR would rebuild the native kernels too (minutes)
     monkeypatch.setattr(eval_results, "results_path", lambda: tmp_path / "eval" / "results.json")

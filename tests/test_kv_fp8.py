@@ -10,8 +10,7 @@ import torch
 
 from kvcache import ops
 from kvcache.paged_attention import AttentionMetadata, PagedAttention
-from kvcache.quant import (HEADROOM, KVScales, calibrate, calibration_ids, dequantize, power_of_two_scale,
-                           quantize)
+from kvcache.quant import HEADROOM, KVScales, calibrate, calibration_ids, dequantize, power_of_two_scale, quantize
 from kvcache.storage import KVCacheSpec, PagedKVCache
 from models.attention import DenseAttention, reference_attention
 from server.engine import EngineConfig, LLMEngine, SamplingParams

@@ -5,8 +5,10 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from models.cpu_path import CpuPath
-from server.metrics import MetricsRecorder, dashboard_data, one_two_five, render_prometheus, seq_len_bucket
+from models.native.cpu_path import CpuPath
+from server.dashboard import dashboard_data
+from server.metrics import MetricsRecorder, one_two_five, seq_len_bucket
+from server.prometheus import render_prometheus
 from server.wire import EngineStats, ModelInfo, RequestStats
 
 

@@ -4,8 +4,8 @@ import torch
 
 from models import load_model, load_tokenizer
 from models.attention import DenseAttention
-from models.rope import rope_inv_freq
 from models.config import RopeConfig
+from models.rope import rope_inv_freq
 from tests.reference import dense_greedy, hf_greedy, load_hf
 from tests.tiny import ARCHS
 

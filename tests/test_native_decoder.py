@@ -1,4 +1,4 @@
-"""models/native_decoder.py: the layer stack in one C++ call computes what the Python model's layers
+"""server/engine/native_decoder.py: the layer stack in one C++ call computes what the Python model's layers
 compute (the same linear and attention kernels; norms, RoPE and SwiGLU rounded op by op as eager
 rounds them), writes the same K/V into the pool, and covers exactly the models it says it covers."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from kvcache.paged_attention import AttentionMetadata, PagedAttention
 from kvcache.storage import KVCacheSpec, PagedKVCache
 from models.loader import load_for_serving
-from models.native_decoder import NativeDecoder, unsupported
+from server.engine.native_decoder import NativeDecoder, unsupported
 
 pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
 

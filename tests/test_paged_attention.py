@@ -12,8 +12,8 @@ import torch
 from kvcache import ops
 from kvcache.paged_attention import AttentionMetadata, PagedAttention
 from kvcache.storage import KVCacheSpec, PagedKVCache
-from server.engine.config import parse_size
 from models.attention import reference_attention
+from server.engine.config import parse_size
 from tests.reference import hf_greedy, load_hf
 
 pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
@@ -111,7 +111,7 @@ def test_metadata_slots_and_tables():
 def test_native_kernel_is_the_cpu_backend_here():
     """This machine has a compiler: the C++ kernel built for its ISA level (under any cap the
     environment sets), not the fallback, serves CPU attention."""
-    from models.native import machine_isa
+    from models.native.cpu_features import machine_isa
 
     assert ops.CPU_BACKEND == f"native-{machine_isa()}"
 

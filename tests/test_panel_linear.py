@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.cpu_linear import PanelLinear, pack_linears, panel_library
-from models.cpu_path import fits_bf16
+from models.cpu_linear import PanelLinear, fits_bf16, pack_linears
+from models.native.libraries import load
 
 pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
 
@@ -26,7 +26,7 @@ SHAPES = [(1, 7, 3), (5, 37, 19), (13, 100, 64), (7, 33, 576), (1, 1536, 576), (
 def test_matches_float64_for_fp32_inputs(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w, b, x = bf16_valued(n, k, generator=g), torch.randn(n, generator=g), torch.randn(m, k, generator=g)
-    panel_library()
+    load("panel_linear")
     y = torch.ops.attnserve.panel_linear(x, torch.ops.attnserve.pack_panels(w), b, n)
     expected = F.linear(x.double(), w.double(), b.double())
     assert y.dtype == torch.float32 and y.shape == (m, n)

@@ -146,7 +146,7 @@ def test_default_model_tensor_parallel_runs_native(default_model_dir, ray_sessio
     C++ through shared memory) on its shard of the quantized codes; fp32, greedy tokens as TP=1's up
     to a near-tie (the ranks' partial sums add in another order)."""
     from models.corpus import corpus_words
-    from models.loader import load_tokenizer
+    from models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_dir)
     words = corpus_words()

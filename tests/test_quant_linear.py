@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.native.libraries import load
 from models.quant_formats import QuantizedTensor, quantize_rtn
-from models.quant_linear import QuantEmbedding, QuantLinear, quant_library
+from models.quant_linear import QuantEmbedding, QuantLinear
 
 pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
 
@@ -33,7 +34,7 @@ FORMATS = [(4, 32, "fp16", True), (4, 32, "fp32", True), (4, 128, "fp32", True),
 @pytest.mark.parametrize("bits,group,scales,offsets", FORMATS)
 @pytest.mark.parametrize("m", ROWS)
 def test_matches_dequantized_weights_in_float64(bits, group, scales, offsets, m):
-    quant_library()
+    load("quant_linear")
     n, k = 100, 1152  # 100 features: not a multiple of a panel pair at any width; K: every group divides it
     w = random_quantized(n, k, bits, group, scales, offsets, seed=m + bits)
     codes, packed_scales, packed_offsets = torch.ops.attnserve.pack_quant(w.q, w.scale, w.offset, bits, group)
@@ -86,7 +87,7 @@ def test_rtn_int4_layer_equals_its_dequantized_weights():
 
 
 def test_packing_rejects_codes_out_of_range_and_ragged_groups():
-    quant_library()
+    load("quant_linear")
     with pytest.raises(RuntimeError, match="0..15"):
         torch.ops.attnserve.pack_quant(torch.full((4, 32), 16, dtype=torch.int8), torch.ones(4, 1), None, 4, 32)
     with pytest.raises(RuntimeError, match="multiple of the group"):
@@ -158,7 +159,7 @@ def test_without_the_kernel_weights_are_dequantized_once(monkeypatch):
     import models.quant_linear as ql
 
     w = random_quantized(40, 64, 4, 32, seed=6)
-    monkeypatch.setattr(ql, "quant_kernel_available", lambda: False)
+    monkeypatch.setattr(ql, "available", lambda name: False)
     layer = QuantLinear(w, None, torch.float32)
     assert layer.mode == "dense" and torch.equal(layer.weight, w.dequantize())
     x = torch.randn(3, 64)

@@ -1,7 +1,7 @@
 """Quantized weights served end to end: a mixed-type GGUF (every block format models/quant_formats.py
 decodes) and RTN int8 / int4 of an HF checkpoint give HF transformers' greedy tokens, when transformers runs
 exactly the weights they hold (dequantized), through batching, preemption, chunked prefill and the prefix
-cache, on the native (models/native_decoder.py), the compiled and the eager step."""
+cache, on the native (server/engine/native_decoder.py), the compiled and the eager step."""
 from __future__ import annotations
 
 import json
@@ -18,9 +18,11 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from models.checkpoint import read_checkpoint
-from models.loader import load_for_serving, load_tokenizer, model_from_checkpoint
+from models.loader import load_for_serving, model_from_checkpoint
+from models.native.libraries import available
 from models.quant_formats import quantize_rtn
-from models.quant_linear import QuantEmbedding, QuantLinear, quant_kernel_available
+from models.quant_linear import QuantEmbedding, QuantLinear
+from models.tokenizer import load_tokenizer
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.gguf_blocks import quantize_blocks
 from tests.reference import assert_greedy_close, load_hf, memoised_greedy
@@ -166,7 +168,7 @@ EXPECTED_KINDS = {  # module -> kind: fused projections concatenate their parts'
 
 def test_mixed_gguf_loads_quantized_and_answers(mixed_gguf):
     assert not (mixed_gguf / "config.json").exists()  # the directory reads as its single .gguf
-    assert quant_kernel_available()
+    assert available("quant_linear")
     model = load_for_serving(mixed_gguf, dtype="float32", quantization="auto")
     formats = {t.name for t in MIXED.values()}
     assert len(formats) == 8 and set(model.quantization.split("+")) == formats

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from models.cpu_path import QUANTIZATIONS
+from models.native.cpu_path import QUANTIZATIONS
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.config import parse_size
 

@@ -21,8 +21,8 @@ def chaos_url(serve_url, tiny_variants):
     from ray import serve
 
     from server.deployment import build_app
-    from server.openai_api import ApiLimits
     from server.engine.config import EngineConfig
+    from server.openai_api import ApiLimits
     from server.serve_config import ServeConfig
 
     os.environ["ATTNSERVE_CHAOS"] = "1"  # forwarded to the replicas of apps built from now on

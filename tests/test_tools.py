@@ -160,3 +160,23 @@ def test_a_routing_ingress_tokenizes_the_tools_into_the_prompt():
     assert list(routed.prompt_token_ids) == encode_prompt(tok, "tiny", messages=messages, tools=[WEATHER])
     assert len(routed.prompt_token_ids) > len(encode_prompt(tok, "tiny", messages=messages))
     assert routed.tools is None and routed.messages is None and routed.block_hashes
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_streamed_and_whole_answers_agree_on_tool_calls(finish):
+    """One ChoiceBuilder serves both paths: the non-streamed choice carries the calls the streamed
+    deltas carried, also when max_tokens cut the answer after them (it finishes `length` then)."""
+    from server.api_response import ChoiceBuilder
+    from server.wire import Chunk
+
+    text = ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "now", "arg')  # the second call cut off
+    pieces = [text[i:i + 7] for i in range(0, len(text), 7)]
+    chunks = [Chunk(0, p, (1,), finish_reason=finish if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
+    builder = ChoiceBuilder(0, chat=True, tools=ToolChoice("auto"))
+    events = [e for c in chunks for e in builder.add(c)]
+    streamed_content, streamed_calls = assemble([e["delta"] for e in events])
+    whole = builder.whole()
+    assert [c["function"]["name"] for c in streamed_calls] == ["get_weather"]
+    assert whole["message"]["tool_calls"] == streamed_calls and whole["message"]["content"] == streamed_content
+    assert whole["finish_reason"] == events[-1]["finish_reason"] == ("tool_calls" if finish == "stop" else "length")

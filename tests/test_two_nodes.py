@@ -10,8 +10,8 @@ replica back when B rejoins.
 """
 import json
 import os
-import re
 import random
+import re
 import shutil
 import signal
 import subprocess

@@ -16,7 +16,7 @@
 //
 // Vectors are GCC vector extensions of W floats, one register of the ISA the library is built
 // for: 16 with AVX-512, 8 with AVX2, 4 for the portable build (SSE2 or NEON). Each ISA gets its
-// own library (models/native.py), chosen from the CPU's features at run time.
+// own library (models/native/toolchain.py), chosen from the CPU's features at run time.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,27 +34,9 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#define ATTNSERVE_BF16_DOT 1  // bf16 pairs multiplied straight from the cache, fp32 accumulation
-#else
-#define ATTNSERVE_BF16_DOT 0
-#endif
+#include "simd.h"
 
 namespace {
-
-#if defined(__AVX512F__)
-constexpr int W = 16;  // floats per vector; keys are taken W at a time
-#elif defined(__AVX2__)
-constexpr int W = 8;  // NOTE: one register per vector: a wider W spills the tile loops' accumulators
-#else
-constexpr int W = 4;
-#endif
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
-typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
-typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
-typedef uint8_t vb __attribute__((vector_size(W * sizeof(uint8_t))));
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int MAX_TILE_ROWS = 32;  // query rows (tokens x group heads) per work item

@@ -1,4 +1,4 @@
-// Every decoder layer of a Llama-family model in one call (models/native_decoder.py): RMSNorm,
+// Every decoder layer of a Llama-family model in one call (server/engine/native_decoder.py): RMSNorm,
 // RoPE, SwiGLU and the residual adds run here, between calls to the same packed quantized-linear
 // and paged-attention kernels the Python model calls (through the dispatcher, from C++).
 //

@@ -24,33 +24,13 @@
 #include <cstring>
 #include <optional>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#define ATTNSERVE_BF16_DOT 1
-#else
-#define ATTNSERVE_BF16_DOT 0
-#endif
+#include "simd.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int W = 16;  // floats per vector: one register of the ISA this library is built for
-// x rows per tile: R x 2 accumulators, 2 x 2 weight vectors (a k pair of two panels) and a
-// broadcast must fit the registers (32 at AVX-512; 16 at AVX2, SSE2; 6 rows at AVX2 spill: 25%
-// slower at prefill)
-constexpr int MAX_ROWS = 12;
-#elif defined(__AVX2__)
-constexpr int W = 8;
-constexpr int MAX_ROWS = 5;
-#else
-constexpr int W = 4;
-constexpr int MAX_ROWS = 5;
-#endif
+constexpr int MAX_ROWS = PANEL_MAX_ROWS;
 constexpr int64_t ROW_CHUNK = 64;  // x rows per pass over a thread's panels (they stay in L2)
 constexpr int64_t PREFETCH_K2 = 32;  // k pairs ahead weights are prefetched (1 KiB of a panel at AVX2's width)
-
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
 
 // One k pair of a panel: W words, word j holding feature j at k (low half) and at k + 1 (high
 // half) as bf16. bf16 is fp32's upper half, so a shift and a mask widen both.

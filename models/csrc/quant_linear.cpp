@@ -34,39 +34,16 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX512BF16__)
-#define ATTNSERVE_BF16_DOT 1
-#else
-#define ATTNSERVE_BF16_DOT 0
-#endif
+#include "simd.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int W = 16;
-constexpr int MAX_ROWS = 12;  // fp32 tiles: R x 2 accumulators + 2 weight vectors + a broadcast in 32 registers
-constexpr int DIRECT_ROWS = 4;  // code tiles: R x NP accumulators, as many group sums, the widened codes
-#elif defined(__AVX2__)
-constexpr int W = 8;
-constexpr int MAX_ROWS = 6;
-constexpr int DIRECT_ROWS = 2;
-#else
-constexpr int W = 4;
-constexpr int MAX_ROWS = 6;
-constexpr int DIRECT_ROWS = 2;
-#endif
+constexpr int MAX_ROWS = QUANT_MAX_ROWS;
+constexpr int DIRECT_ROWS = QUANT_CODE_ROWS;
 constexpr int64_t ROW_CHUNK = 64;  // x rows per dequantized pair of panels (the pair stays in L2)
 constexpr int64_t DIRECT_MAX_M = 8;  // up to this many rows of x: code tiles (measured: AVX2 and AVX-512); above: dequantize
 
 constexpr int64_t BF16_DOT_MIN_M = DIRECT_MAX_M;  // bf16 x on AVX512-BF16: bf16 tiles above this many rows (measured: dequantizing costs as much as 8-16 rows of code tiles)
-
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
-typedef uint8_t vb __attribute__((vector_size(W)));
-typedef int8_t vsb __attribute__((vector_size(W)));
 
 inline vf load_f(const float* p) {
   vf v;

@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from models.cpu_features import apply_isa_cap, capped_march, choose_isa, read_cpu_features
-from models.registry import cache_dir
+from models.native.cache import cache_dir
+from models.native.cpu_features import apply_isa_cap, capped_march, choose_isa, read_cpu_features
 
 RECOMPILE_LIMIT = 64  # one process may compile several models (tests do); each is one entry
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from models.cpu_path import DTYPES, QUANTIZATIONS
+from models.native.cpu_path import DTYPES, QUANTIZATIONS
 from server.engine.spec_config import SpeculativeConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -47,11 +47,11 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype; f
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"
-    dtype: str = "auto"  # auto: the checkpoint's where this CPU computes it natively (models/cpu_path.py)
+    dtype: str = "auto"  # auto: the checkpoint's where this CPU computes it natively (models/native/cpu_path.py)
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     # weights: auto keeps a GGUF's stored types (safetensors: unquantized), none dequantizes, int8 per
-    # output channel, int4 in groups of 32, int4_g128 in groups of 128 (models/cpu_path.py)
+    # output channel, int4 in groups of 32, int4_g128 in groups of 128 (models/native/cpu_path.py)
     quantization: str = "auto"
     memory_budget: int | str = "1.5GiB"  # weights + KV pool, when kv_cache_memory is auto
     # auto: the KV pool gets memory_budget - the weights' bytes as served (LLMEngine), so lighter
@@ -65,7 +65,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads for the step; None = torch's default
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: run the model eagerly, without torch.compile
-    # True: models/native_decoder.py runs the layers of a model it covers (RMSNorm + RoPE + SwiGLU,
+    # True: native_decoder.py runs the layers of a model it covers (RMSNorm + RoPE + SwiGLU,
     # packed quantized linears) in one C++ call; False: they are compiled as every other model is
     native_decoder: bool = True
     # speculative decoding (server/engine/spec_config.py): JSON text, a mapping or a SpeculativeConfig; None: off
@@ -115,6 +115,10 @@ class EngineConfig:
         if self.world_size > 1 and self.kv_cache_dtype != "auto":
             raise ValueError("an 8-bit KV cache (kv_cache_dtype) is not supported with tensor or pipeline "
                              "parallelism: its scales are calibrated on the whole model")
+        spec = self.speculative_config
+        if self.world_size > 1 and spec is not None and spec.method == "draft_model":
+            raise ValueError("a draft model (speculative_config) is not supported with tensor or pipeline "
+                             "parallelism; the ngram method is")
         # NOTE: on CUDA, attention reads the pool with Flash's paged kernel, whose pages are 256 tokens
         if self.device.startswith("cuda") and self.block_size % CUDA_BLOCK_SIZE:
             raise ValueError(f"on CUDA block_size must be a multiple of {CUDA_BLOCK_SIZE} (Flash's paged KV kernel)")

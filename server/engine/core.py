@@ -28,8 +28,18 @@ from multiprocessing.connection import Connection
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.executor import WorkerDiedError
-from server.wire import (AbortRequest, AddRequest, AttentionWeights, CachedBlocks, ComputeAttention, EngineReady,
-                         InjectStepFailures, RequestOutput, SlowSteps, StepOutputs)
+from server.wire import (
+    AbortRequest,
+    AddRequest,
+    AttentionWeights,
+    CachedBlocks,
+    ComputeAttention,
+    EngineReady,
+    InjectStepFailures,
+    RequestOutput,
+    SlowSteps,
+    StepOutputs,
+)
 
 logger = logging.getLogger(__name__)
 STATS_EVERY_S = 0.1  # the longest a replica's view of the engine's stats goes stale while it runs

@@ -20,12 +20,24 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import AsyncIterator, Callable, Sequence
 
-from models.cpu_features import apply_isa_cap
+from models.native.cpu_features import apply_isa_cap
 from server.engine.config import EngineConfig
 from server.engine.errors import EngineDeadError, QueueFullError
 from server.engine.sampling_params import SamplingParams
-from server.wire import (AbortRequest, AddRequest, AttentionWeights, CachedBlocks, ComputeAttention, EngineReady,
-                         EngineStats, InjectStepFailures, ModelInfo, RequestOutput, SlowSteps, StepOutputs)
+from server.wire import (
+    AbortRequest,
+    AddRequest,
+    AttentionWeights,
+    CachedBlocks,
+    ComputeAttention,
+    EngineReady,
+    EngineStats,
+    InjectStepFailures,
+    ModelInfo,
+    RequestOutput,
+    SlowSteps,
+    StepOutputs,
+)
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 900.0  # a cold start compiles the model step

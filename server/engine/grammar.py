@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
@@ -133,6 +134,24 @@ class SequenceGrammar:
     @property
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+
+def start_ready(requests: Sequence[Any]) -> tuple[list[tuple[Any, str]], list[Any]]:
+    """Give each request (server.engine.request.Request) whose grammar finished compiling its matcher:
+    (those whose grammar did not compile, with the error; those still compiling)."""
+    failed, pending = [], []
+    for req in requests:
+        if req.is_finished:
+            continue
+        if not req.grammar.compiled.done():
+            pending.append(req)
+            continue
+        error = req.grammar.start()
+        req.stats.grammar_wait_s = time.monotonic() - req.stats.arrival_time
+        req.stats.grammar_cache_hit = req.grammar.cache_hit
+        if error is not None:
+            failed.append((req, error))
+    return failed, pending
 
 
 def fill_bitmask(grammars: Sequence[SequenceGrammar | None], vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:

@@ -10,15 +10,14 @@ import torch
 
 from kvcache.paged_attention import AttentionMetadata, PagedAttention, warm_up_steps
 from kvcache.storage import KVCacheSpec, PagedKVCache
-from models.native_decoder import NativeDecoder, unsupported
 from models.transformer import DecoderLM
-from server.engine.compilation import compile_model
 from server.engine.grammar import apply_bitmask, fill_bitmask
 from server.engine.rejection_sampler import verify
-from server.wire import TokenLogprob
 from server.engine.sampler import SamplingBatch, sample
-from server.engine.shard_worker import StepInputs
 from server.engine.scheduler import SchedulerOutput
+from server.engine.shard_worker import StepInputs
+from server.engine.step import choose_step
+from server.wire import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -55,35 +54,18 @@ class ModelRunner:
         self.spec, self.vocab_size = cache.spec, model.config.vocab_size
         self.device = model.device
         self.depth = 1  # steps in flight at once (pipeline stages keep several)
-        self.forward, self.compile_seconds, self.step = model, 0.0, "eager"
-        reason = unsupported(model) if compile and native else "not asked for"
-        if reason is None:
-            self.forward, self.step = NativeDecoder(model), "native"
-        elif compile:
-            logger.info("attnserve step: compiled (the native decoder: %s)", reason)
-            try:
-                for t in cache.tensors:
-                    # NOTE: a pool's shape never changes: a compiled step specialises on it instead of
-                    # checking, on every call, symbolic sizes and strides of each layer's K and V in Python
-                    torch._dynamo.mark_static(t)
-                self.forward, self.step = compile_model(model), "compiled"
-                self.compile_seconds = self.warm_up()
-            except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler for inductor: serve, slower
-                logger.warning("torch.compile of the model step failed (%s: %s); running it eagerly",
-                               type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                self.forward, self.compile_seconds, self.step = model, 0.0, "eager"
+        step = choose_step(model, cache, compile, native, self._warm_up, "model")
+        self.forward, self.step, self.compile_seconds = step.forward, step.kind, step.seconds
 
-    def warm_up(self) -> float:
+    def _warm_up(self, forward) -> None:
         """Compile (or load from the disk cache) before serving: a prefill step, then a decode.
 
         Inputs are made as `prepare` makes them (outside inference mode), so the guards that
         compiling records are the ones real steps pass (kvcache.paged_attention.warm_up_steps).
         """
-        start = time.perf_counter()
         for ids, positions, meta in warm_up_steps(self.spec, self.device):
             with torch.inference_mode():
-                self.forward(ids, positions, PagedAttention(self.cache, meta))
-        return time.perf_counter() - start
+                forward(ids, positions, PagedAttention(self.cache, meta))
 
     def prepare(self, out: SchedulerOutput) -> Batch:
         ids: list[int] = []

@@ -6,8 +6,8 @@ from typing import Sequence
 
 import torch
 
-from server.wire import TokenLogprob
 from server.engine.sampling_params import SamplingParams
+from server.wire import TokenLogprob
 
 
 @dataclass(frozen=True)

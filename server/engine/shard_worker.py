@@ -17,6 +17,7 @@ import torch
 
 from kvcache.paged_attention import AttentionMetadata, PagedAttention, warm_up_steps
 from kvcache.storage import KVCacheSpec, PagedKVCache
+from models.native.memory import resident_bytes
 from server.wire import WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -129,29 +130,18 @@ class ShardWorker:
 
     def init_cache(self, num_blocks: int) -> tuple[str, float]:
         """The pool, then the compiled step (warmed up by all ranks together): (step kind, seconds)."""
-        from server.engine.compilation import compile_model
-
-        from models.native_decoder import NativeDecoder, unsupported
+        from server.engine.step import choose_step
 
         self.cache = PagedKVCache(self.spec, num_blocks, self.model.device, layers=self.layers)
-        start = time.perf_counter()
-        reason = unsupported(self.model) if self.config.native_decoder else "not asked for"
-        if reason is None:  # NOTE: a whole model's rank whose all-reduces go through shared memory
-            self.forward, self.step = NativeDecoder(self.model), "native"
-        elif not self.config.enforce_eager:
-            logger.info("rank %d step: compiled (the native decoder: %s)", self.shard.rank, reason)
-            try:
-                for t in self.cache.tensors:
-                    torch._dynamo.mark_static(t)
-                self.forward, self.step = compile_model(self.model), "compiled"
-                self._warm_up()
-            except Exception as e:  # noqa: BLE001 - no C++ compiler for inductor: serve, slower
-                logger.warning("torch.compile of the shard's step failed (%s); running it eagerly", e)
-                self.forward, self.step = self.model, "eager"
-        return self.step, time.perf_counter() - start
+        # NOTE: native: a whole model's rank whose all-reduces go through shared memory
+        step = choose_step(self.model, self.cache, not self.config.enforce_eager, self.config.native_decoder,
+                           self._warm_up, f"rank {self.shard.rank}")
+        self.forward, self.step = step.forward, step.kind
+        return self.step, step.seconds
 
-    def _warm_up(self) -> None:
-        """The steps ModelRunner.warm_up runs, through this rank's execute (all ranks at once)."""
+    def _warm_up(self, forward) -> None:
+        """The steps ModelRunner runs to warm up, through this rank's execute (all ranks at once)."""
+        self.forward = forward
         for ids, positions, meta in warm_up_steps(self.spec, self.model.device):
             self.execute(StepInputs(ids, positions, meta, torch.tensor([len(ids) - 1])))
 
@@ -194,8 +184,8 @@ class ShardWorker:
 
     def memory(self) -> dict[str, int]:
         """This process's resident and peak resident bytes (VmRSS, VmHWM)."""
-        fields = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmRSS", "VmHWM")))
-        return {"rss": int(fields["VmRSS"].split()[0]) * 1024, "peak_rss": int(fields["VmHWM"].split()[0]) * 1024,
+        rss, peak_rss = resident_bytes()
+        return {"rss": rss, "peak_rss": peak_rss,
                 "weight_bytes": self.weight_bytes, "kv_bytes": self.cache.nbytes if self.cache is not None else 0}
 
     def comm_stats(self) -> dict:

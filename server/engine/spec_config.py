@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from models.cpu_path import QUANTIZATIONS
+from models.native.cpu_path import QUANTIZATIONS
 
 METHODS = ("ngram", "draft_model")
 

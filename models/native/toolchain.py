@@ -1,13 +1,13 @@
-"""Builds and loads attnserve's C++ CPU kernels: one library per source and ISA level.
+"""Compiles attnserve's C++ CPU kernels: one library per source and ISA level.
 
 Each library is compiled for an explicit level (never `-march=native`), and its file name
-carries the level and a hash of everything else that shapes it (source, flags, torch, compiler,
-Python): a cache directory shared between machines (an NFS home, a container image built
-elsewhere) never hands a CPU code with instructions it lacks, because the level is chosen from
-the CPU's own features at run time (models/cpu_features.py). `make install` builds this
-machine's libraries ahead of time (`python -m models.native`, side by side on every core; `--all`
-builds every level, for an image that runs on other machines); otherwise the first use does, never
-a request.
+carries the level and a hash of everything else that shapes it (source, the shared header, flags,
+torch, compiler, Python): a cache directory shared between machines (an NFS home, a container image
+built elsewhere) never hands a CPU code with instructions it lacks, because the level is chosen
+from the CPU's own features at run time (cpu_features.py). `make install` builds this machine's
+libraries ahead of time (`python -m models.native`, side by side on every core; `--all` builds
+every level, for an image that runs on other machines); otherwise the first `libraries.load`
+does, never a request.
 """
 from __future__ import annotations
 
@@ -23,9 +23,12 @@ from pathlib import Path
 
 import torch
 
-from models.cpu_features import read_cpu_features, choose_isa
+from models.native.cache import cache_dir, cache_lock
+from models.native.cpu_features import machine_isa, read_cpu_features
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+# NOTE: the table of every library lives here, at the bottom, so `make install` builds them all
+# without importing the modules above that call them
 SOURCES = {
     "paged_attention": ROOT / "kvcache" / "csrc" / "paged_attention.cpp",
     "panel_linear": ROOT / "models" / "csrc" / "linear.cpp",
@@ -33,6 +36,8 @@ SOURCES = {
     "decoder": ROOT / "models" / "csrc" / "decoder.cpp",
     "shm_comm": ROOT / "models" / "csrc" / "shm_comm.cpp",
 }
+# The SIMD vector types, the ISA preamble and the register tiles every kernel file includes
+HEADER = ROOT / "models" / "csrc" / "simd.h"
 FLAGS = ["-O3", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-DNDEBUG"]
 # x86-64-v3 is AVX2 + FMA + F16C + BMI; -v4 adds AVX-512 F/BW/CD/DQ/VL. The portable build has
 # no -march at all: the compiler's baseline (SSE2 on x86-64, NEON on aarch64).
@@ -63,14 +68,8 @@ def _version_of(compiler: str) -> str:
     return out.splitlines()[0] if out else compiler
 
 
-def machine_isa() -> str:
-    return choose_isa(read_cpu_features())
-
-
 def library_path(name: str, isa: str) -> Path:
-    from models.registry import cache_dir
-
-    key = hashlib.sha256("\0".join([SOURCES[name].read_text(), " ".join(FLAGS + ISA_FLAGS[isa]), torch.__version__,
+    key = hashlib.sha256("\0".join([SOURCES[name].read_text(), HEADER.read_text(), " ".join(FLAGS + ISA_FLAGS[isa]), torch.__version__,
                                     compiler_version(), sys.version]).encode()).hexdigest()[:16]
     return cache_dir() / "native" / f"{name}-{isa}-{key}.so"
 
@@ -79,7 +78,7 @@ def command(name: str, isa: str, out: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    includes = [f"-I{p}" for p in [HEADER.parent, *include_paths(), sysconfig.get_paths()["include"]]]
     libs = [f"-L{p}" for p in library_paths()]
     return [_compiler(), *FLAGS, *ISA_FLAGS[isa], f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCES[name]),
             "-o", str(out), *libs, "-lc10", "-ltorch_cpu", "-ltorch"]
@@ -87,8 +86,6 @@ def command(name: str, isa: str, out: Path) -> list[str]:
 
 def build(name: str, isa: str | None = None) -> Path:
     """The library's path for `isa` (default: this machine's), compiling it first if needed."""
-    from models.registry import cache_lock
-
     isa = isa or machine_isa()
     path = library_path(name, isa)
     if path.exists():
@@ -108,13 +105,6 @@ def build(name: str, isa: str | None = None) -> Path:
     return path
 
 
-def load(name: str) -> str:
-    """Load this machine's library for `name` into torch.ops; returns the level it was built for."""
-    isa = machine_isa()
-    torch.ops.load_library(str(build(name, isa)))
-    return isa
-
-
 def build_all(levels: list[str | None] | None = None, names: list[str] | None = None) -> list[Path]:
     """Every library at every level in `levels` (default: this machine's), one compiler per core:
     the sources take 12-65 s each to compile, so one at a time leaves cores idle."""
@@ -131,15 +121,10 @@ def host_levels() -> list[str]:
     return list(ISA_FLAGS) if read_cpu_features().is_x86 else ["generic"]
 
 
-def _levels(argv: list[str]) -> list[str | None]:
+def levels_from_argv(argv: list[str]) -> list[str | None]:
     """`--all`: every level; `--levels avx2,generic`: those this host can build; nothing: this machine's."""
     if "--all" in argv:
         return host_levels()
     if "--levels" in argv:
         return [level for level in argv[argv.index("--levels") + 1].split(",") if level in host_levels()]
     return [None]
-
-
-if __name__ == "__main__":  # python -m models.native [--all | --levels L1,L2]
-    for built in build_all(_levels(sys.argv[1:])):
-        print(built)

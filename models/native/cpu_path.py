@@ -1,8 +1,8 @@
 """The one place that decides how an engine computes on this CPU, once, at start.
 
 `choose_cpu_path` is a pure function of what the machine can do (`CpuCapabilities`: the ISA
-level, what oneDNN packs, whether our C++ kernels built) and what was asked for; `detect`
-gathers those facts here. The choices, measured on an AVX2-only and an AVX512-BF16 CPU
+level, what oneDNN packs, whether our C++ kernels built) and what was asked for; `probe.detect`
+gathers those facts. The choices, measured on an AVX2-only and an AVX512-BF16 CPU
 (docs/benchmarks.md, "Choosing the CPU path"):
 
 * dtype `auto`: bf16 where the CPU has bf16 arithmetic (AVX512-BF16) and the checkpoint is 16-bit;
@@ -13,15 +13,12 @@ gathers those facts here. The choices, measured on an AVX2-only and an AVX512-BF
   the bytes at decode); oneDNN's packed kernels otherwise (fp32 weights, or no C++ compiler).
 * attention: the C++ paged kernel built for the ISA level, else gather + SDPA.
 
-No torch at import: `/v1/models` and the wire carry a `CpuPath`.
+No torch at import: `/v1/models` and the wire carry a `CpuPath`. `prepare` (models/cpu_linear.py)
+applies a path to a model.
 """
 from __future__ import annotations
 
-import dataclasses
-import logging
 from dataclasses import asdict, dataclass
-
-logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16")
 # weight-only quantization (models/quantize.py): auto keeps a GGUF's types as stored, none
@@ -31,10 +28,10 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4_g128")
 
 @dataclass(frozen=True)
 class CpuCapabilities:
-    isa: str  # models.cpu_features.ISA_LEVELS
+    isa: str  # cpu_features.ISA_LEVELS
     onednn_dtypes: frozenset[str]  # dtypes oneDNN packs linear weights of, here
     panel_kernel: bool  # our panel-linear library built and loaded
-    attention: str = "sdpa"  # kvcache.ops.CPU_BACKEND: native-<isa> (our kernel) or sdpa
+    attention: str = "sdpa"  # probe.attention_backend(): native-<isa> (our kernel) or sdpa
 
     @property
     def bf16_native(self) -> bool:
@@ -94,60 +91,3 @@ def choose_cpu_path(caps: CpuCapabilities, requested: str, checkpoint_dtype: str
         linear = "onednn" if "float32" in caps.onednn_dtypes else "torch"
     weight_dtype = "bfloat16" if linear == "panels" else dtype
     return CpuPath(device, caps.isa, dtype, weight_dtype, linear, caps.attention, num_threads, note)
-
-
-def detect(device: str = "cpu") -> CpuCapabilities:
-    """This process's capabilities: the ISA level, oneDNN's probe, our kernels' build."""
-    import torch
-
-    from kvcache import ops
-    from models.cpu_linear import onednn_packs, panel_library
-    from models.native import machine_isa
-
-    isa = machine_isa()
-    if device != "cpu":
-        return CpuCapabilities(isa, frozenset(), False, "cuda")
-    panels = False
-    if ops.CPU_BACKEND != "sdpa":  # NOTE: ATTNSERVE_NATIVE=0 or no compiler: no C++ kernel at all
-        try:
-            panel_library()
-            panels = True
-        except Exception as e:  # noqa: BLE001 - a library that does not build is a path not taken
-            logger.warning("the panel-linear kernel is unavailable (%s)", str(e).splitlines()[0])
-    onednn = frozenset(name for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
-                       if onednn_packs(dt))
-    return CpuCapabilities(isa, onednn, panels, ops.CPU_BACKEND)
-
-
-def prepare(model, caps: CpuCapabilities, requested: str, checkpoint_dtype: str, device: str = "cpu") -> CpuPath:
-    """Choose the model's path and swap its linears in; a model is prepared once (`model.cpu_path`)."""
-    import torch
-    from torch import nn
-
-    from models.cpu_linear import pack_linears
-
-    if model.cpu_path is not None:
-        return model.cpu_path
-    dtype = resolve_dtype(caps, requested, checkpoint_dtype, device)
-    # NOTE: checked only where it can matter: a float32 model on a machine with the panel kernel
-    fits = dtype == "float32" and caps.panel_kernel and fits_bf16(
-        m.weight for m in model.modules() if isinstance(m, nn.Linear))
-    path = choose_cpu_path(caps, requested, checkpoint_dtype, fits, torch.get_num_threads(), device)
-    if path.dtype != str(model.dtype).removeprefix("torch."):
-        raise ValueError(f"the model is {model.dtype}, its path computes in {path.dtype}")
-    if not any(isinstance(m, nn.Linear) for m in model.modules()):  # every linear quantized (a GGUF)
-        path = dataclasses.replace(path, linear="quantized", weight_dtype=model.quantization)
-    elif device == "cpu":
-        pack_linears(model, path.linear)
-    model.cpu_path = dataclasses.replace(path, quantization=model.quantization)
-    return path
-
-
-def fits_bf16(weights) -> bool:
-    """Whether every tensor holds only bf16 values (then storing it as bf16 loses nothing)."""
-    import torch
-
-    for w in weights:
-        if w.dtype != torch.bfloat16 and not torch.equal(w.to(torch.bfloat16).to(w.dtype), w):
-            return False
-    return True

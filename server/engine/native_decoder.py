@@ -6,34 +6,24 @@ threads) found ~40% of the main thread there. `NativeDecoder` runs the layer loo
 and SwiGLU in C++ around the same packed quantized-linear and paged-attention kernels, so a step
 costs its kernels. It covers RMSNorm + RoPE + SwiGLU models whose layer linears are packed
 quantized (models/quant_linear.py) and whose attention is the C++ paged kernel; anything else runs
-compiled (server/engine/compilation.py).
+compiled (compilation.py). It is one way to run a step, beside the compiled and eager ones
+(model_runner.py `choose_step`).
 """
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING
-
 import torch
 
+from kvcache import ops
+from kvcache.paged_attention import PagedAttention
+from models.native.libraries import available
+from models.parallel import RowParallel
 from models.quant_linear import QuantLinear
 from models.rope import rope_cos_sin
 from models.transformer import DecoderLM
 
-if TYPE_CHECKING:
-    from kvcache.paged_attention import PagedAttention
-
-
-@functools.cache
-def _load() -> None:
-    from models.native import load
-
-    load("decoder")
-
 
 def unsupported(model: DecoderLM) -> str | None:
     """Why `model` cannot run as a NativeDecoder, or None when it can."""
-    from kvcache import ops
-
     cfg = model.config
     if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
         return "runs on CPU in float32 or bfloat16 only"
@@ -41,7 +31,7 @@ def unsupported(model: DecoderLM) -> str | None:
         return "layers other than RMSNorm + RoPE + SwiGLU"
     if cfg.attention_variants or cfg.block_norms != "pre" or cfg.embed_scale or cfg.final_softcap:
         return f"attention variants or block forms it does not implement ({', '.join(cfg.attention_variants)})"
-    if not ops.CPU_BACKEND.startswith("native"):
+    if not ops.cpu_backend().startswith("native"):
         return "no C++ paged-attention kernel"
     if model.embed is None or model.lm_head is None:
         return "a pipeline stage (it runs every layer from embedding to final norm)"
@@ -51,25 +41,19 @@ def unsupported(model: DecoderLM) -> str | None:
         for linear in _linears(layer):
             if not (isinstance(linear, QuantLinear) and linear.mode == "packed"):
                 return "layer linears that are not packed quantized"
-    try:
-        _load()
-    except Exception as e:  # noqa: BLE001 - no compiler: the compiled step serves
-        return f"the C++ decoder is unavailable ({str(e).splitlines()[0]})"
+    if not available("decoder"):
+        return "the C++ decoder library is unavailable (see the warning above)"
     return None
 
 
 def _linears(layer) -> tuple:
     """A layer's four linears, a tensor-parallel rank's unwrapped from their all-reduce."""
-    from models.parallel import RowParallel
-
     return tuple(m.inner if isinstance(m, RowParallel) else m
                  for m in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
 
 
 def _communicator(model: DecoderLM):
     """None without tensor parallelism; a rank's shared-memory communicator; False if it all-reduces over gloo."""
-    from models.parallel import RowParallel
-
     o_proj = model.layers[0].attn.o_proj
     if not isinstance(o_proj, RowParallel):
         return None

@@ -146,3 +146,8 @@ def apply_isa_cap(environ: MutableMapping[str, str] = os.environ) -> str:
     if isa_cap(environ) != "auto":
         environ.update(torch_isa_env(isa, features))
     return isa
+
+
+def machine_isa() -> str:
+    """This process's level: the CPU's own, lowered by the caps in its environment."""
+    return choose_isa(read_cpu_features())

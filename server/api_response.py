@@ -1,0 +1,127 @@
+"""Engine chunks -> OpenAI response bodies: one `ChoiceBuilder` per choice, fed every chunk, gives
+the streamed path its events and the non-streamed path its whole choice from the same state (the
+same tool-call parsing), so the two cannot disagree; usage and logprobs in OpenAI's shapes."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from server.tools import ToolCallParser, ToolChoice, assemble
+from server.wire import Chunk, LogprobEntry, PromptInfo
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class Sample:
+    """One sample's answer so far."""
+
+    text: str = ""
+    num_tokens_so_far: int = 0
+    finish_reason: str | None = None
+    logprobs: list[LogprobEntry] | None = None
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    peak_kv_bytes: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def add(self, chunk: Chunk) -> None:
+        self.text += chunk.text
+        self.num_tokens_so_far += len(chunk.token_ids)
+        if chunk.logprobs:
+            self.logprobs = (self.logprobs or []) + list(chunk.logprobs)
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+            self.num_cached_tokens, self.num_output_tokens = chunk.num_cached_tokens, chunk.num_output_tokens
+            self.peak_kv_bytes = chunk.peak_kv_bytes
+            self.num_draft_tokens, self.num_accepted_tokens = chunk.num_draft_tokens, chunk.num_accepted_tokens
+
+
+class ChoiceBuilder:
+    """One choice of a response (chat or completion). `add(chunk)` returns the choice objects of the
+    streamed events the chunk makes (none while a tool-call tag may be forming); `whole()` is the
+    non-streamed choice. With `tools`, the text is parsed into tool calls as it comes, for both."""
+
+    def __init__(self, index: int, chat: bool, tools: ToolChoice | None = None) -> None:
+        self.index, self.chat = index, chat
+        self.sample = Sample()
+        self.parser = ToolCallParser(tools) if tools is not None else None
+        self.deltas: list[dict] = []  # the parser's, so far
+
+    def add(self, chunk: Chunk) -> list[dict[str, Any]]:
+        self.sample.add(chunk)
+        if chunk.error:
+            return []  # NOTE: the stream sends its error event instead; the text it had stays as it was
+        if not self.chat:
+            return [{"index": self.index, "finish_reason": chunk.finish_reason, "text": chunk.text,
+                     "logprobs": completion_logprobs(chunk.logprobs) if chunk.logprobs else None}]
+        logprobs = chat_logprobs(chunk.logprobs) if chunk.logprobs else None
+        if self.parser is None:
+            return [{"index": self.index, "finish_reason": chunk.finish_reason,
+                     "delta": {"content": chunk.text} if chunk.text else {}, "logprobs": logprobs}]
+        deltas = self.parser.feed(chunk.text) + (self.parser.finish() if chunk.finish_reason else [])
+        self.deltas += deltas
+        events = [{"index": self.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas[:-1]]
+        if deltas or chunk.finish_reason or chunk.logprobs:  # else: text held back, a <tool_call> tag may be forming
+            events.append({"index": self.index, "finish_reason": self._finish_reason(chunk.finish_reason),
+                           "delta": deltas[-1] if deltas else {}, "logprobs": logprobs})
+        return events
+
+    def whole(self) -> dict[str, Any]:
+        s = self.sample
+        if not self.chat:
+            return {"index": self.index, "finish_reason": s.finish_reason, "text": s.text,
+                    "logprobs": completion_logprobs(s.logprobs) if s.logprobs is not None else None}
+        message: dict[str, Any] = {"role": "assistant", "content": s.text}
+        content, calls = assemble(self.deltas) if self.parser is not None else (None, [])
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+        return {"index": self.index, "finish_reason": self._finish_reason(s.finish_reason), "message": message,
+                "logprobs": chat_logprobs(s.logprobs) if s.logprobs is not None else None}
+
+    def _finish_reason(self, reason: str | None) -> str | None:
+        """An answer that stopped with tool calls finishes as `tool_calls`; one cut short keeps its reason."""
+        if reason == "stop" and self.parser is not None and self.parser.num_calls:
+            return "tool_calls"
+        return reason
+
+
+def usage(infos: list[PromptInfo], samples: list[Sample], speculative: bool = False) -> dict[str, Any]:
+    """`samples`: per prompt in order, its n samples. `speculative`: the model drafts tokens; its drafted /
+    accepted counts join the usage (only then, so other models' usage keeps its shape)."""
+    prompt = sum(i.num_prompt_tokens for i in infos)
+    completion = sum(s.num_output_tokens for s in samples)
+    n = len(samples) // max(1, len(infos))
+    cached = sum(samples[i * n].num_cached_tokens for i in range(len(infos)))
+    body = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "kv_cache_bytes": sum(s.peak_kv_bytes for s in samples)}
+    if speculative:
+        body["speculative"] = {"drafted": sum(s.num_draft_tokens for s in samples),
+                               "accepted": sum(s.num_accepted_tokens for s in samples)}
+    return body
+
+
+def usage_so_far(infos: list[PromptInfo], samples: list[Sample]) -> dict[str, int]:
+    prompt = sum(i.num_prompt_tokens for i in infos)
+    completion = sum(s.num_tokens_so_far for s in samples)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_logprobs(entries: list[LogprobEntry] | tuple[LogprobEntry, ...]) -> dict[str, Any]:
+    offsets, pos = [], 0
+    for e in entries:
+        offsets.append(pos)
+        pos += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t: v for t, v, _ in e.top} for e in entries], "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[LogprobEntry] | tuple[LogprobEntry, ...]) -> dict[str, Any]:
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes),
+                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)} for t, v, b in e.top]}
+                        for e in entries]}

@@ -1,0 +1,87 @@
+"""A step's sampled tokens -> the requests' outputs: stop checks, detokenization, and finals, which
+free the request's blocks. Detokenization stays in the engine process so that a stop string ends its
+sequence in the step that produced it."""
+from __future__ import annotations
+
+import logging
+import time
+
+from server.engine.request import Request, RequestStatus
+from server.engine.scheduler import Scheduler, SchedulerOutput
+from server.wire import RequestOutput, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.scheduler, self.eos_token_ids, self.max_model_len = scheduler, eos_token_ids, max_model_len
+        self.groups: dict[str, list[Request]] = {}  # a request's samples, until every one has finished
+        self.num_generated_tokens = 0
+
+    def process(self, out: SchedulerOutput, token_ids, logprobs) -> list[RequestOutput]:
+        """One finished step's tokens (per sampling sequence of `out`) -> outputs."""
+        now = time.monotonic()
+        samplers = [s for s in out.seqs if s.samples]
+        # NOTE: a request aborted while its step was in flight gets no tokens (its blocks are already free)
+        outputs = [self._on_tokens(s.request, t, lp, now) for s, t, lp in zip(samplers, token_ids, logprobs)
+                   if not s.request.is_finished]
+        return [o for o in outputs if o is not None]
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Every unfinished sample of a request, finished; unknown / finished ids are a no-op."""
+        return [self.final(req, "abort", ()) for req in self.groups.pop(request_id, []) if not req.is_finished]
+
+    def fail(self, out: SchedulerOutput, e: Exception) -> list[RequestOutput]:
+        """A step that raised fails its requests, never the engine."""
+        logger.exception("model step failed")
+        return [self.final(s.request, "error", (), error=f"{type(e).__name__}: {e}")
+                for s in out.seqs if not s.request.is_finished]
+
+    def _on_tokens(self, req: Request, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob | None, ...],
+                   now: float) -> RequestOutput | None:
+        """Append a step's tokens (one, or accepted drafts and one) until one of them ends the sequence."""
+        grammar, p, reason = req.grammar, req.params, None
+        new: list[int] = []
+        for token in tokens:
+            if grammar is not None and not grammar.accept(token):
+                # NOTE: the mask left the model no token (a grammar with no way on): the sequence ends
+                # where it stands, and its text never leaves the grammar
+                reason = "stop"
+                break
+            req.append_token(token, now)
+            new.append(token)
+            self.num_generated_tokens += 1
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                reason = "stop"  # the stop token itself adds no text
+            elif req.detokenizer is not None and req.detokenizer.append(token) is not None:
+                reason = "stop"
+            elif grammar is not None and grammar.is_terminated:
+                reason = "stop"
+            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                break
+        lps = tuple(lp for lp in logprobs[:len(new)] if lp is not None)
+        req.logprobs.extend(lps)
+        if reason is None:
+            text = req.detokenizer.flush(False) if req.detokenizer else ""
+            if req.final_only:
+                req.text_parts.append(text)
+                return None
+            return RequestOutput(req.group_id, req.index, tuple(new), text, False, None, lps)
+        return self.final(req, reason, tuple(new), lps)
+
+    def final(self, req: Request, reason: str, tokens: tuple[int, ...], lps: tuple = (),
+              error: str | None = None) -> RequestOutput:
+        """Finish `req` (freeing its blocks) and build its last output."""
+        if req.status != RequestStatus.FINISHED:
+            self.scheduler.finish(req, reason)
+        text = req.detokenizer.flush(True) if req.detokenizer else ""
+        if req.final_only:  # everything the sample made, as one output
+            tokens, lps = tuple(req.output_token_ids), tuple(req.logprobs)
+            text = "".join(req.text_parts) + text
+        group = self.groups.get(req.group_id)
+        if group is not None and all(r.is_finished for r in group):
+            del self.groups[req.group_id]
+        return RequestOutput(req.group_id, req.index, tokens, text, True, reason, lps, req.stats, error)
