@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from models import cpu_features
+from models.native import cpu_features
 from models.native.cpu_features import (
     ISA_LEVELS,
     CpuFeatures,
@@ -172,7 +172,7 @@ def _run(code: str, env: dict, args: list[str] = (), timeout: int = 600) -> subp
 def test_artifacts_are_named_by_level_and_cpu(monkeypatch, tmp_path):
     """Libraries carry their level in their name and are built for it, never -march=native;
     inductor's cache is named by level and CPU flags. A faked AVX2-only CPU gets other names."""
-    from models import native
+    from models.native import toolchain
     from server.engine import compilation
 
     monkeypatch.setenv("ATTNSERVE_CACHE_DIR", str(tmp_path))
@@ -181,16 +181,16 @@ def test_artifacts_are_named_by_level_and_cpu(monkeypatch, tmp_path):
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     names = {}
     for kind in ("zen4", "epyc_avx2", "skylake_x"):
-        monkeypatch.setattr(native, "read_cpu_features", lambda kind=kind: features(kind))
+        monkeypatch.setattr(cpu_features, "read_cpu_features", lambda kind=kind: features(kind))
         monkeypatch.setattr(compilation, "read_cpu_features", lambda kind=kind: features(kind))
-        isa = native.machine_isa()
-        lib = native.library_path("paged_attention", isa)
+        isa = cpu_features.machine_isa()
+        lib = toolchain.library_path("paged_attention", isa)
         assert isa == CPUS[kind][1] and f"-{isa}-" in lib.name
-        cmd = native.command("paged_attention", isa, lib)
-        assert "-march=native" not in cmd and set(native.ISA_FLAGS[isa]) <= set(cmd)
+        cmd = toolchain.command("paged_attention", isa, lib)
+        assert "-march=native" not in cmd and set(toolchain.ISA_FLAGS[isa]) <= set(cmd)
         names[kind] = (lib, compilation.inductor_cache_dir())
     assert len({n[0] for n in names.values()}) == 3 and len({n[1] for n in names.values()}) == 3
-    assert names["epyc_avx2"][1].name.startswith("avx2-") and "x86-64-v3" in native.ISA_FLAGS["avx2"][0]
+    assert names["epyc_avx2"][1].name.startswith("avx2-") and "x86-64-v3" in toolchain.ISA_FLAGS["avx2"][0]
 
 
 @pytest.fixture(scope="module")

@@ -125,13 +125,14 @@ class LLMEngine:
             raise
         except Exception as e:
             return failed + self._fail(out, e)
-        outputs = self.outputs.process(out, result.token_ids, result.logprobs)
+        # NOTE: which sequences sampled is read before `advance`, which moves them on
+        samplers = [s for s in out.seqs if s.samples]
+        outputs = self.outputs.process(samplers, result.token_ids, result.logprobs)
         # NOTE: after the tokens are appended: accepted drafts become computed tokens, hashed into full blocks
-        accepted = {s.request.request_id: len(t) - 1
-                    for s, t in zip((s for s in out.seqs if s.samples), result.token_ids) if s.draft_token_ids}
+        accepted = {s.request.request_id: len(t) - 1 for s, t in zip(samplers, result.token_ids) if s.draft_token_ids}
         self.scheduler.advance(out, accepted)
         if self.speculation is not None:
-            self.speculation.after_step(out, result.token_ids, accepted, time.perf_counter() - start)
+            self.speculation.after_step(out, samplers, result.token_ids, accepted, time.perf_counter() - start)
         return failed + outputs
 
     def _schedule_and_submit(self) -> list[RequestOutput]:

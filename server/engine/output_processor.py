@@ -19,10 +19,9 @@ class OutputProcessor:
         self.groups: dict[str, list[Request]] = {}  # a request's samples, until every one has finished
         self.num_generated_tokens = 0
 
-    def process(self, out: SchedulerOutput, token_ids, logprobs) -> list[RequestOutput]:
-        """One finished step's tokens (per sampling sequence of `out`) -> outputs."""
+    def process(self, samplers, token_ids, logprobs) -> list[RequestOutput]:
+        """One finished step's tokens (per sequence that sampled) -> outputs."""
         now = time.monotonic()
-        samplers = [s for s in out.seqs if s.samples]
         # NOTE: a request aborted while its step was in flight gets no tokens (its blocks are already free)
         outputs = [self._on_tokens(s.request, t, lp, now) for s, t, lp in zip(samplers, token_ids, logprobs)
                    if not s.request.is_finished]

@@ -18,14 +18,14 @@ class Speculation:
         self.propose_s = 0.0  # what proposing them took
         self.catch_up = 0  # and the longest run of tokens the proposer first had to feed a request
 
-    def after_step(self, out: SchedulerOutput, token_ids, accepted: dict[str, int], step_s: float) -> None:
+    def after_step(self, out: SchedulerOutput, samplers, token_ids, accepted: dict[str, int], step_s: float) -> None:
         """Record the step for the gate, account for its drafts, then propose the next step's."""
         # NOTE: the gate compares steady steps: no prefill chunk, and no draft model catching up on a
         # prompt (or on the tokens made while drafts were off), a cost paid once, not per step
         if self.gate is not None and all(s.num_new_tokens == 1 for s in out.seqs) and \
                 self.catch_up <= self.spec.num_speculative_tokens + 1:
             self.gate.record(len(out.seqs), self.drafting, sum(map(len, token_ids)), step_s + self.propose_s)
-        self._account([s for s in out.seqs if s.samples], accepted)
+        self._account(samplers, accepted)
         self._propose()
 
     def _account(self, samplers, accepted: dict[str, int]) -> None:
