@@ -107,7 +107,7 @@ def sdpa_paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables, 
 def _varlen_paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
                             max_query_len, max_seq_len, scale, k_scale=1.0, v_scale=1.0, window=0, softcap=0.0,
                             sinks=None) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
+    from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415 - CUDA's path only
 
     if k_cache.dtype != q.dtype or softcap > 0 or sinks is not None:
         return sdpa_paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,

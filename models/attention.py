@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
+from models.layers import make_norm
 from models.rope import apply_rope
 
 
@@ -149,7 +150,6 @@ class CausalSelfAttention(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
-        from models.layers import make_norm
 
         super().__init__()
         self.layer_idx = layer_idx

@@ -5,10 +5,12 @@ Only safetensors and GGUF are ever deserialised; pickle-based weights are refuse
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from models.gguf_file import read_gguf
@@ -23,9 +25,6 @@ class UnsafeWeightsError(ValueError):
 
 
 def _lazy_safetensors(files: list[Path]) -> LazyTensors:
-    from functools import partial
-
-    from safetensors import safe_open
 
     readers = {}
     for f in files:

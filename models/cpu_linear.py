@@ -96,7 +96,7 @@ def prepare(model, caps: CpuCapabilities, requested: str, checkpoint_dtype: str,
     if model.cpu_path is not None:
         return model.cpu_path
     dtype = resolve_dtype(caps, requested, checkpoint_dtype, device)
-    # NOTE: checked only where it can matter: a float32 model on a machine with the panel kernel
+    # checked only where it can matter: a float32 model on a machine with the panel kernel
     fits = dtype == "float32" and caps.panel_kernel and fits_bf16(
         m.weight for m in model.modules() if isinstance(m, nn.Linear))
     path = choose_cpu_path(caps, requested, checkpoint_dtype, fits, torch.get_num_threads(), device)

@@ -9,10 +9,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from models.hf_checkpoint import HFCheckpoint, LazyTensors
+from models.quant_formats import SUPPORTED_GGUF_TYPES, from_gguf
 
 # GGUF architecture -> (HF model_type, HF class)
 _ARCHITECTURES = {
@@ -87,7 +90,6 @@ def _swa_layers(reader: Any, arch: str, num_layers: int, default_pattern: int) -
 
 def _rope(reader: Any, arch: str, head_dim: int, tensors: dict[str, Any]) -> dict[str, Any]:
     """HF `rope_parameters` (one set: the global layers') from the file's rope keys."""
-    import gguf
 
     key = f"{arch}.rope."
     theta = _f32(_field(reader, key + "freq_base", 10000.0))
@@ -257,8 +259,6 @@ def read_gguf(path: Path, keep_quantized: bool = False, lazy: bool = False) -> H
     """With `keep_quantized`, matrices of a type models/quant_formats.py reads stay quantized
     (`QuantizedTensor`); everything else is dequantised to fp32. `lazy`: each tensor is decoded
     from the memory map when looked up (models.hf_checkpoint.LazyTensors)."""
-    import gguf
-    from tqdm import tqdm
 
     reader = gguf.GGUFReader(str(path))
     config = gguf_config(reader)
@@ -278,7 +278,7 @@ def read_gguf(path: Path, keep_quantized: bool = False, lazy: bool = False) -> H
             readers[name] = functools.partial(_decode, t, arch, rows, heads, keep_quantized)
     tensors = LazyTensors(readers) if lazy else {
         name: read() for name, read in tqdm(readers.items(), desc=f"reading {path.name}", unit="tensor", leave=False)}
-    # NOTE: the dtype `--dtype auto` starts from: a file of quantized or 16-bit matrices is a 16-bit model
+    # the dtype `--dtype auto` starts from: a file of quantized or 16-bit matrices is a 16-bit model
     wide = any(t.tensor_type == gguf.GGMLQuantizationType.F32 and len(t.shape) == 2 for t in reader.tensors)
     config["dtype"] = "float32" if wide else "bfloat16"
     return HFCheckpoint(config=config, tensors=tensors, source=path)
@@ -286,9 +286,6 @@ def read_gguf(path: Path, keep_quantized: bool = False, lazy: bool = False) -> H
 
 def _decode(t: Any, arch: str, rows: Any, heads: int | None, keep_quantized: bool) -> Any:
     """One target of GGUF tensor `t`: its rows (a fused matrix's part), un-permuted for `heads`."""
-    import gguf
-
-    from models.quant_formats import SUPPORTED_GGUF_TYPES, from_gguf
 
     shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims innermost first
     if keep_quantized and t.tensor_type in SUPPORTED_GGUF_TYPES and len(shape) == 2:
@@ -306,6 +303,6 @@ def _decode(t: Any, arch: str, rows: Any, heads: int | None, keep_quantized: boo
 
 def gguf_tokenizer(path: Path) -> Any:
     """The tokenizer (with chat template) embedded in a GGUF file, via transformers."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415 - transformers takes seconds to import: only where a GGUF's tokenizer is built
 
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

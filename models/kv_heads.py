@@ -10,10 +10,12 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from models.checkpoint import read_checkpoint, write_checkpoint
 from models.hf_checkpoint import HFCheckpoint
 from models.hf_config import LLAMA_FAMILY, config_from_hf, with_kv_heads
+from models.tokenizer import load_tokenizer
 
 
 def kv_sources(num_heads: int, old_kv: int, new_kv: int) -> list[Counter[int]]:
@@ -52,7 +54,6 @@ def _convert_bigcode(t: torch.Tensor, h: int, d: int, old_kv: int, new_kv: int) 
 
 
 def convert_kv_heads(ckpt: HFCheckpoint, num_kv_heads: int, progress: bool = True) -> HFCheckpoint:
-    from tqdm import tqdm
 
     cfg = config_from_hf(ckpt.config)
     if num_kv_heads < 1:
@@ -82,7 +83,6 @@ def convert_kv_heads(ckpt: HFCheckpoint, num_kv_heads: int, progress: bool = Tru
 def convert(src: str | Path, num_kv_heads: int, out_dir: str | Path, dtype: torch.dtype | None = None,
             progress: bool = True) -> Path:
     """Read SRC (directory or GGUF), regroup K/V heads, write an HF checkpoint to out_dir."""
-    from models.tokenizer import load_tokenizer
 
     src = Path(src)
     ckpt = read_checkpoint(src)

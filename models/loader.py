@@ -9,9 +9,16 @@ import torch
 from torch import nn
 
 from models.checkpoint import read_checkpoint
+from models.cpu_linear import prepare
 from models.hf_checkpoint import HFCheckpoint
 from models.hf_config import config_from_hf
+from models.native.cpu_path import QUANTIZATIONS, resolve_dtype
 from models.native.memory import release_freed_memory
+from models.native.probe import detect
+from models.parallel import shard_config, split
+from models.quant_formats import QuantizedTensor, quantize_rtn
+from models.quant_linear import QuantEmbedding, QuantLinear, move_to_huge_pages
+from models.registry import stored_gguf
 from models.transformer import DecoderLM
 from models.weights import hf_to_internal
 
@@ -34,9 +41,6 @@ def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32
     nearest); embeddings and the LM head stay unquantized. Matrices the checkpoint holds quantized
     (a GGUF read with keep_quantized) stay so whatever it says. With a `shard` (models/parallel.py)
     the model holds that rank's heads, features, vocabulary rows and layers only."""
-    from models.parallel import shard_config, split
-    from models.quant_formats import QuantizedTensor, quantize_rtn
-    from models.quant_linear import move_to_huge_pages
 
     full = config_from_hf(ckpt.config, ckpt.generation_config)
     cfg = full if shard is None else shard_config(full, shard)
@@ -72,7 +76,7 @@ def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32
     if cfg.tie_word_embeddings and "embed.weight" not in quantized and model.embed is not None and \
             model.lm_head is not None:
         model.lm_head.weight = model.embed.weight
-    # NOTE: a fused matrix's kind lists its parts' ("Q4_K+Q6_K"): each format named once
+    # a fused matrix's kind lists its parts' ("Q4_K+Q6_K"): each format named once
     model.quantization = "+".join(sorted({k for w in quantized.values() for k in w.kind.split("+")})) or "none"
     model.set_rope_frequencies(device)
     return model.eval().requires_grad_(False)
@@ -89,7 +93,7 @@ def _local_layer(name: str, first: int) -> str:
 def _skeleton() -> Iterator[None]:
     """Modules built on the meta device with nn.init skipped: every weight is assigned after.
 
-    NOTE: measured: nn.init on meta tensors takes torch._refs' path, which imports torch._dynamo
+    Measured: nn.init on meta tensors takes torch._refs' path, which imports torch._dynamo
     (1.2 s, and ~100 MB a process serving through server/engine/native_decoder.py never needs)."""
     saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
     for name in _INIT_FUNCTIONS:
@@ -119,7 +123,6 @@ def _fitting_scheme(scheme: str, in_features: int) -> str:
 
 def _install_quantized(model: DecoderLM, module_name: str, weight, state: dict, dtype: torch.dtype,
                        device: str) -> None:
-    from models.quant_linear import QuantEmbedding, QuantLinear
 
     parent_name, _, child = module_name.rpartition(".")
     parent = model.get_submodule(parent_name)
@@ -132,7 +135,6 @@ def _install_quantized(model: DecoderLM, module_name: str, weight, state: dict, 
 def _share_tied_table(model: DecoderLM, quantized: dict, dtype: torch.dtype) -> None:
     """A tied GGUF table (embed and lm_head one QuantizedTensor): the embedding reads the packed
     head's panels, so the codes are held once."""
-    from models.quant_linear import QuantEmbedding
 
     table = quantized.get("embed.weight")
     if table is None or quantized.get("lm_head.weight") is not table or model.lm_head.mode != "packed":
@@ -162,8 +164,6 @@ def checkpoint_dtype(ckpt: HFCheckpoint) -> str:
 
 def serving_dtype(path: str | Path, dtype: str = "auto", device: str = "cpu") -> str:
     """The dtype `load_for_serving` computes in for this checkpoint here (`auto` resolved)."""
-    from models.native.cpu_path import resolve_dtype
-    from models.native.probe import detect
 
     return resolve_dtype(detect(device), dtype, checkpoint_dtype(read_checkpoint(path)), device)
 
@@ -174,14 +174,10 @@ def load_for_serving(path: str | Path, dtype: str = "auto", device: str = "cpu",
     linears swapped in (`model.cpu_path` says which; models/native/cpu_path.py chooses) and its weights
     quantized as asked (`model.quantization`, `model.weight_bytes()`). With a `shard`, that rank's
     part, read tensor by tensor (its collectives are joined in by models.parallel.parallelize)."""
-    from models.cpu_linear import prepare
-    from models.native.cpu_path import QUANTIZATIONS, resolve_dtype
-    from models.native.probe import detect
-    from models.registry import stored_gguf
 
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
-    keep = quantization == "auto"  # NOTE: a GGUF as stored; a model converted from one reads that file again
+    keep = quantization == "auto"  # a GGUF as stored; a model converted from one reads that file again
     ckpt = read_checkpoint((keep and stored_gguf(path)) or path, keep_quantized=keep, lazy=shard is not None)
     caps = detect(device)
     source = checkpoint_dtype(ckpt)

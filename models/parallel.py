@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models.config import ModelConfig
+from models.quant_formats import QuantizedTensor
 
 if TYPE_CHECKING:
     from models.shm_comm import ShmCommunicator
@@ -118,7 +119,6 @@ def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
 
 
 def _rows(t, ranges: list[tuple[int, int]]):
-    from models.quant_formats import QuantizedTensor
 
     index = torch.cat([torch.arange(a, b) for a, b in ranges])
     if isinstance(t, QuantizedTensor):
@@ -128,7 +128,6 @@ def _rows(t, ranges: list[tuple[int, int]]):
 
 def _cols(t, a: int, b: int):
     """Input features [a, b): a quantized matrix keeps its codes where the cut falls on its groups."""
-    from models.quant_formats import QuantizedTensor
 
     if isinstance(t, QuantizedTensor):
         g = t.group_size

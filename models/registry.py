@@ -14,6 +14,10 @@ from pathlib import Path
 
 import torch
 
+from models.checkpoint import read_checkpoint, write_checkpoint
+from models.gguf_file import gguf_tokenizer, read_gguf
+from models.hf_config import config_from_hf
+from models.kv_heads import convert
 from models.native.cache import cache_dir, cache_lock
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -59,8 +63,6 @@ def _build_once(name: str, build) -> Path:
 
 
 def _build_default(out: Path) -> None:
-    from models.checkpoint import write_checkpoint
-    from models.gguf_file import gguf_tokenizer, read_gguf
 
     gguf = default_gguf_path()
     write_checkpoint(read_gguf(gguf), out, tokenizer=gguf_tokenizer(gguf), dtype=torch.bfloat16)
@@ -75,9 +77,6 @@ def stored_gguf(path: str | Path) -> Path | None:
 
 
 def _build_variant(suffix: str, out: Path) -> None:
-    from models.checkpoint import read_checkpoint
-    from models.hf_config import config_from_hf
-    from models.kv_heads import convert
 
     base = ensure_default()
     cfg = config_from_hf(read_checkpoint(base).config)

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 _WORLD: dict[int, int] = {}  # handle -> world size: the fake all-gather's output shape
 
-# NOTE: the tensor ops' schemas are defined here, not in the C++, so their fake kernels exist before
+# the tensor ops' schemas are defined here, not in the C++, so their fake kernels exist before
 # the library loads: a compiled graph holds them as opaque calls
 _LIB = torch.library.Library("attnserve", "FRAGMENT")
 _LIB.define("shm_all_reduce(Tensor x, int handle) -> Tensor")

@@ -74,7 +74,7 @@ class DecoderLM(nn.Module):
         self.quantization = "none"  # the linears' weight format: none, int8, int4_g32, or a GGUF's types
 
     def set_rope_frequencies(self, device: torch.device | str) -> None:
-        """RoPE inverse frequencies, computed for real on `device` (NOTE: also under a meta device,
+        """RoPE inverse frequencies, computed for real on `device` (also under a meta device,
         where the loader builds the model's skeleton)."""
         cfg = self.config
         if cfg.position != "rope":
@@ -102,7 +102,7 @@ class DecoderLM(nn.Module):
         """Bytes the weights take in memory as served (tied and shared tensors counted once)."""
         seen: dict[int, int] = {}
         for t in [*self.parameters(), *self.buffers()]:
-            if t.is_mkldnn:  # NOTE: oneDNN's packed weights have no storage to share; each is its own
+            if t.is_mkldnn:  # oneDNN's packed weights have no storage to share; each is its own
                 seen[id(t)] = t.nbytes
             elif t.device.type != "meta":
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()

@@ -5,6 +5,8 @@ import torch
 
 from models.config import ModelConfig
 from models.hf_config import LLAMA_FAMILY
+from models.parallel import shard_tensor
+from models.quant_formats import QuantizedTensor, concat_rows
 
 # HF buffers that are not parameters (old GPT-2 checkpoints carry causal-mask buffers).
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -25,7 +27,6 @@ def _bigcode_mha_to_qkv(w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 def _cat(parts: list) -> torch.Tensor:
     """Rows stacked (fused projections); quantized parts stay quantized, even of mixed types."""
-    from models.quant_formats import QuantizedTensor, concat_rows
 
     quantized = [isinstance(p, QuantizedTensor) for p in parts]
     if all(quantized):
@@ -121,7 +122,6 @@ class _Kept(dict):
 
     def __setitem__(self, name: str, t) -> None:
         if self.shard is not None:
-            from models.parallel import shard_tensor
 
             t = shard_tensor(self.cfg, self.shard, name, t)
         if t is not None:
@@ -159,7 +159,7 @@ def hf_to_internal(cfg: ModelConfig, tensors, shard=None) -> dict:
         if lm_head is None:
             raise KeyError("checkpoint is missing tensor 'lm_head.weight' and does not tie embeddings")
         out["lm_head.weight"] = lm_head
-    if shard is not None:  # NOTE: what other stages hold is theirs: unread here, not unused
+    if shard is not None:  # what other stages hold is theirs: unread here, not unused
         prefix = ("model.layers." if llama else "transformer.h.")
         hf.names = {k for k in hf.names if not (k.startswith(prefix) and int(k[len(prefix):].split(".")[0]) not in layers)
                     and k not in (table, "lm_head.weight")}

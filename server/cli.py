@@ -91,7 +91,7 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# NOTE: kv_bytes_per_token is a token of every layer; kv_bytes_per_token_at per token of a sequence of 1k / 8k / 32k
+# kv_bytes_per_token is a token of every layer; kv_bytes_per_token_at per token of a sequence of 1k / 8k / 32k
 # tokens in 16-token blocks (server/kv_forms.py), less than that with sliding-window layers
 EVAL_KEYS = ("model", "attention", "kv_heads", "kv_cache_dtype", "kv_bytes_per_token", "kv_bytes_per_token_at",
              "quantization", "weight_bytes", "perplexity")
@@ -135,7 +135,7 @@ def _eval(args: argparse.Namespace) -> int:
         ids = tokenizer(text)["input_ids"]
         kv_dtype = kv_cache_dtype(args.kv_cache_dtype, model.dtype)
         spec = KVCacheSpec.of(cfg, kv_dtype)  # with the model's sliding windows
-        # NOTE: each window is one prompt through a pool of the serving dtype and kernel, so an
+        # each window is one prompt through a pool of the serving dtype and kernel, so an
         # 8-bit cache's rounding is in the score
         try:
             window, stride = window_and_stride(args.window, args.stride, cfg.max_position_embeddings)
@@ -148,7 +148,7 @@ def _eval(args: argparse.Namespace) -> int:
         num_blocks = -(-window // spec.block_size)
         cache = PagedKVCache(spec, num_blocks, model.device, scales_for(model, kv_dtype, tokenizer))
         ppl = perplexity(model, ids, window, stride, lambda n, cache=cache: PagedAttention.one_sequence(cache, n))
-        # NOTE: the row carries the weights' format as loaded (model.quantization: e.g. auto -> a GGUF's types)
+        # the row carries the weights' format as loaded (model.quantization: e.g. auto -> a GGUF's types)
         rows.append({"model": name, "attention": cfg.attention_kind, "kv_heads": cfg.num_kv_heads,
                      "kv_cache_dtype": dtype_name(kv_dtype), "kv_bytes_per_token": spec.bytes_per_token,
                      "kv_bytes_per_token_at": {str(n): spec.bytes_for(n) / n for n in KV_CURVE_LENGTHS},
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     from models.native.cpu_features import apply_isa_cap
 
     args = build_parser().parse_args(argv)
-    # NOTE: the engine's one start line (CPU path) shows; other libraries keep their levels
+    # the engine's one start line (CPU path) shows; other libraries keep their levels
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("server.engine.engine").setLevel(logging.INFO)
     try:

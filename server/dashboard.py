@@ -66,15 +66,15 @@ def dashboard_data(snapshots: list[dict], now: float | None = None) -> dict[str,
             "kv_blocks_used": sum(s["gauges"]["kv_blocks_used"] for s in live),
             "requests_running": sum(s["gauges"]["requests_running"] for s in live),
             "replicas": len(live),
-            # NOTE: replicas report a "replica" and "node" (Ray ids) next to their counts
+            # replicas report a "replica" and "node" (Ray ids) next to their counts
             "replicas_by_node": _replicas_by_node(live),
-            # NOTE: a sharded model's replicas list their ranks (tensor x pipeline parallel workers)
+            # a sharded model's replicas list their ranks (tensor x pipeline parallel workers)
             "tensor_parallel_size": static.get("tensor_parallel_size", 1),
             "pipeline_parallel_size": static.get("pipeline_parallel_size", 1),
             "workers": [{**w, "replica": snap.get("replica", "?")} for snap in live for w in snap.get("workers", [])],
             "forms": _forms(static, int(kv_heads)),
             "speculative": static.get("speculative"),
-            # NOTE: None until a request drafted: the page shows acceptance only where there is some
+            # None until a request drafted: the page shows acceptance only where there is some
             "spec_decode": {**spec_totals(drafted, accepted), "drafted_per_pos": drafted,
                             "accepted_per_pos": accepted} if drafted else None,
             "requests": [{"seq_len": r[0], "prompt_tokens": r[1], "output_tokens": r[2], "kv_bytes": r[3],

@@ -26,6 +26,7 @@ from models.registry import resolve_model
 from models.tokenizer import load_tokenizer
 from server.autoscaling import autoscaling_config, autoscaling_stats
 from server.engine.config import EngineConfig
+from server.engine.executor import placement_strategy, worker_bundles
 from server.http_app import create_app
 from server.model_client import LocalModelClient, ModelClient
 from server.openai_api import ApiLimits, OpenAIApi
@@ -258,7 +259,7 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
                                      "resources": dict(cfg.replica_resources)}
     if cfg.num_gpus:
         actor_options["num_gpus"] = cfg.num_gpus
-    # NOTE: a sharded model's replica holds no CPU itself: its workers hold the replica's share
+    # a sharded model's replica holds no CPU itself: its workers hold the replica's share
     replica_options = dict(actor_options, num_cpus=0) if cfg.engine.world_size > 1 else actor_options
     models, tokenize = {}, {}
     for name, source in cfg.models.items():
@@ -267,7 +268,7 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
         options = dict(name=_deployment_name(name), max_ongoing_requests=cfg.max_ongoing_requests,
                        ray_actor_options=replica_options, graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                        **scaling, **worker_placement(cfg.engine_config(source, cpus), actor_options))
-        # NOTE: routing by cache needs the prompt's tokens before a replica is chosen: an ingress
+        # routing by cache needs the prompt's tokens before a replica is chosen: an ingress
         if len(cfg.models) == 1 and not cfg.separate_ingress and not cfg.routes_by_cache(name):
             return ModelServer.options(**options).bind(name, cfg.engine_config(source, cpus), cfg.limits, cfg.api_key,
                                                        cfg.ingress_resources)
@@ -290,7 +291,6 @@ def worker_placement(engine: EngineConfig, actor_options: dict[str, Any]) -> dic
     whole group as one replica."""
     if engine.world_size == 1:
         return {}
-    from server.engine.executor import placement_strategy, worker_bundles
 
     bundles = worker_bundles(engine)
     bundles[0] = {**bundles[0], **actor_options.get("resources", {})}

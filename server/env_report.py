@@ -47,7 +47,7 @@ def collect() -> dict:
         libraries = {name: {"path": str(path), "built": path.exists()} for name, path in paths.items()}
     except RuntimeError as e:
         compiler, libraries = f"none ({e})", {}
-    # NOTE: what the engine would choose for a bf16 checkpoint (the default model) and an fp32 one
+    # what the engine would choose for a bf16 checkpoint (the default model) and an fp32 one
     paths = {f"{source} checkpoint, --dtype {dtype}": choose_cpu_path(
         caps, dtype, source, source == "bfloat16", torch.get_num_threads()).describe()
         for source in ("bfloat16", "float32") for dtype in DTYPES}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 # a later run of the same model, KV dtype and weight format replaces the row
 KEY = ("model", "kv_cache_dtype", "quantization")
-# NOTE: rows written before weights could be quantized lack the field: their weights were served dequantized
+# rows written before weights could be quantized lack the field: their weights were served dequantized
 _MISSING = {"quantization": "none"}
 
 

@@ -186,7 +186,7 @@ def create_app(api: OpenAIApi, api_key: str | None = None,
 
     @app.get("/dashboard/data")
     async def dashboard_json() -> JSONResponse:
-        # NOTE: eval rows come from the file `attnserve eval` writes; nothing is computed here
+        # eval rows come from the file `attnserve eval` writes; nothing is computed here
         return JSONResponse({**dashboard_data(await all_snapshots()), "eval": eval_results.load()})
 
     @app.get("/dashboard/uplot.js")

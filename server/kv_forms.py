@@ -87,7 +87,7 @@ def kv_forms(num_heads: int, num_kv_heads: int, kv_bytes_per_token: int, pool_by
     rows = []
     for attention, heads, windows in forms:
         bytes_per_token = per_head * heads
-        # NOTE: pool // (blocks one request holds x block bytes): a windowed layer's blocks cost as many
+        # pool // (blocks one request holds x block bytes): a windowed layer's blocks cost as many
         # pool bytes as a global one's, so this is (pool blocks) // (blocks per request) for every layout
         per_request = kv_bytes_at(bytes_per_token, windows, block_size, seq_len)
         rows.append({"attention": attention, "kv_heads": heads, "kv_bytes_per_token": bytes_per_token,

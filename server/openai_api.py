@@ -113,7 +113,7 @@ class OpenAIApi:
                          "kv_cache_dtype": info.kv_cache_dtype, "quantization": info.quantization,
                          "weight_bytes": info.weight_bytes, "speculative": info.speculative,
                          "cpu_path": info.cpu_path.as_dict(),
-                         # NOTE: kv_bytes_per_token is a token of every layer; with sliding-window layers
+                         # kv_bytes_per_token is a token of every layer; with sliding-window layers
                          # (layer_windows: per layer a window or null, [] = every layer global) a
                          # sequence costs less per token the longer it is: kv_bytes_per_token_at
                          "layer_windows": list(info.layer_windows),
@@ -159,7 +159,7 @@ class OpenAIApi:
             result = await client.attention(call)
         except BaseException as e:
             raise _as_api_error(e) from None
-        # NOTE: weights come with windows and sinks applied: a key outside a layer's sliding window
+        # weights come with windows and sinks applied: a key outside a layer's sliding window
         # weighs 0, and with sinks a row sums to 1 minus the sink's share
         windows = result.windows or (None,) * len(result.layers)
         return {"model": body.model, "tokens": list(result.tokens), "token_ids": list(result.token_ids),

@@ -34,7 +34,7 @@ def _gauge_families() -> dict[str, GaugeMetricFamily]:
         "kv_blocks": gauge("kv_blocks", "KV blocks by state (summed over live replicas)", "state"),
         "kv_bytes": gauge("kv_bytes", "KV-cache bytes by state (summed over live replicas)", "state"),
         "kv_bytes_per_token": gauge("kv_bytes_per_token", "2 x layers x kv_heads x head_dim x KV dtype bytes"),
-        # NOTE: with sliding-window layers per-token bytes fall with length (a windowed layer keeps
+        # with sliding-window layers per-token bytes fall with length (a windowed layer keeps
         # at most its window + one block); without, this equals kv_bytes_per_token at every length
         "kv_bytes_per_token_at_length": gauge(
             "kv_bytes_per_token_at_length",
@@ -44,7 +44,7 @@ def _gauge_families() -> dict[str, GaugeMetricFamily]:
         "requests_waiting": gauge("requests_waiting", "Requests queued for admission"),
         "replicas": gauge("replicas", "Live replicas reporting"),
         "memory": gauge("replica_resident_memory_bytes", "Resident memory of the model replicas (summed)"),
-        # NOTE: per replica, not summed: what one engine's weights take as served, next to its KV pool
+        # per replica, not summed: what one engine's weights take as served, next to its KV pool
         "weight_bytes": gauge("model_weight_bytes", "Bytes one replica's weights take as served (quantization: "
                               "their format)", "quantization"),
     }

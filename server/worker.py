@@ -156,7 +156,7 @@ class ModelWorker:
             self.metrics.on_error("queue_full")
             raise
         yield PromptInfo(len(ids))
-        # NOTE: a non-streaming caller gets each sample once, whole (final_only): one message per
+        # a non-streaming caller gets each sample once, whole (final_only): one message per
         # sample from the engine and to the ingress, not one per token
         async for out in stream:
             yield self._chunk(out)

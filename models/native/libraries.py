@@ -8,7 +8,10 @@ import functools
 import logging
 import os
 
+import torch
+
 from models.native.cpu_features import machine_isa
+from models.native.toolchain import build
 
 logger = logging.getLogger(__name__)
 # Each library's name in a warning, and what runs where it cannot be built
@@ -25,9 +28,6 @@ _FALLBACKS = {
 def load(name: str) -> str:
     """Load this machine's library for `name`; returns the level it was built for. Raises where it
     cannot be built (no compiler)."""
-    import torch
-
-    from models.native.toolchain import build
 
     isa = machine_isa()
     torch.ops.load_library(str(build(name, isa)))

@@ -1,12 +1,13 @@
 """Memory the process gives back to the OS."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 
 def release_freed_memory() -> None:
     """Hand the loader's freed buffers (unpacked codes, fp32 copies) back to the OS: glibc keeps
     them in its arenas otherwise, about 170 MB of the default model's resident memory."""
-    import ctypes
-    import ctypes.util
 
     try:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)

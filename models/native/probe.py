@@ -1,6 +1,8 @@
 """What this process can run: the probes behind `CpuCapabilities` (cpu_path.py chooses from them)."""
 from __future__ import annotations
 
+import torch
+
 from models.native.cpu_features import machine_isa
 from models.native.cpu_path import CpuCapabilities
 from models.native.libraries import available, load, native_enabled
@@ -15,7 +17,6 @@ def attention_backend() -> str:
 
 def onednn_packs(dtype) -> bool:
     """Whether oneDNN reorders weights of this torch dtype here (it checks the CPU, and its ISA cap)."""
-    import torch
 
     if not torch.backends.mkldnn.is_available():
         return False
@@ -28,13 +29,12 @@ def onednn_packs(dtype) -> bool:
 
 def detect(device: str = "cpu") -> CpuCapabilities:
     """This process's capabilities: the ISA level, oneDNN's probe, our kernels' build."""
-    import torch
 
     isa = machine_isa()
     if device != "cpu":
         return CpuCapabilities(isa, frozenset(), False, "cuda")
     attention = attention_backend()
-    # NOTE: ATTNSERVE_NATIVE=0 or no compiler: no C++ kernel at all
+    # ATTNSERVE_NATIVE=0 or no compiler: no C++ kernel at all
     panels = attention != "sdpa" and available("panel_linear")
     onednn = frozenset(name for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
                        if onednn_packs(dt))

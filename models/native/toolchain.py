@@ -19,6 +19,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from models.native.cache import cache_dir, cache_lock
 from models.native.cpu_features import machine_isa, read_cpu_features
 
 ROOT = Path(__file__).resolve().parents[2]
-# NOTE: the table of every library lives here, at the bottom, so `make install` builds them all
+# the table of every library lives here, at the bottom, so `make install` builds them all
 # without importing the modules above that call them
 SOURCES = {
     "paged_attention": ROOT / "kvcache" / "csrc" / "paged_attention.cpp",
@@ -60,7 +61,7 @@ def compiler_version() -> str:
 
 @functools.cache
 def _version_of(compiler: str) -> str:
-    # NOTE: every library's name hashes it: asked once per compiler, not once per library
+    # every library's name hashes it: asked once per compiler, not once per library
     try:
         out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -75,7 +76,7 @@ def library_path(name: str, isa: str) -> Path:
 
 
 def command(name: str, isa: str, out: Path) -> list[str]:
-    from torch.utils.cpp_extension import include_paths, library_paths
+    from torch.utils.cpp_extension import include_paths, library_paths  # noqa: PLC0415 - cpp_extension imports setuptools: only where a library compiles
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f"-I{p}" for p in [HEADER.parent, *include_paths(), sysconfig.get_paths()["include"]]]
@@ -108,7 +109,6 @@ def build(name: str, isa: str | None = None) -> Path:
 def build_all(levels: list[str | None] | None = None, names: list[str] | None = None) -> list[Path]:
     """Every library at every level in `levels` (default: this machine's), one compiler per core:
     the sources take 12-65 s each to compile, so one at a time leaves cores idle."""
-    from concurrent.futures import ThreadPoolExecutor
 
     names = list(names or SOURCES)
     jobs = [(name, level) for level in (levels or [None]) for name in names]

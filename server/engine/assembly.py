@@ -18,6 +18,7 @@ from models.registry import resolve_model
 from models.tokenizer import load_tokenizer
 from models.transformer import DecoderLM
 from server.engine.config import EngineConfig, format_size
+from server.engine.executor import RayExecutor
 from server.engine.model_runner import DistributedRunner, ModelRunner
 from server.engine.proposers import DraftModelProposer, NgramProposer, Proposer, check_vocabulary
 from server.engine.spec_config import SpeculativeConfig
@@ -68,13 +69,13 @@ def assemble(config: EngineConfig, model: DecoderLM | None = None, tokenizer: An
     draft = _load_draft(config, spec, model, tokenizer) if spec is not None and spec.method == "draft_model" else None
     kv_spec = KVCacheSpec.of(model.config, kv_cache_dtype(config.kv_cache_dtype, model.dtype), config.block_size)
     draft_spec = DraftModelProposer.kv_spec(draft, config.block_size) if draft is not None else None
-    # NOTE: weight_bytes is what the weights take as served (quantized, packed): with kv_cache_memory
+    # weight_bytes is what the weights take as served (quantized, packed): with kv_cache_memory
     # auto the pool is memory_budget minus that, so every byte quantization saves becomes KV blocks
     weight_bytes = model.weight_bytes()
     if config.num_blocks:
         num_blocks = config.num_blocks
     else:
-        # NOTE: a draft model's weights and its KV (as many blocks as the target's, fewer bytes each) come
+        # a draft model's weights and its KV (as many blocks as the target's, fewer bytes each) come
         # out of the same budget
         draft_block = draft_spec.bytes_per_block if draft is not None else 0
         budget = config.kv_budget(weight_bytes + (draft.weight_bytes() if draft is not None else 0), model.quantization)
@@ -96,7 +97,6 @@ def _assemble_parallel(config: EngineConfig, tokenizer: Any) -> EngineParts:
     """The model sharded over Ray workers (server/engine/executor.py); scheduling and sampling stay here.
     Each rank's pool gets what its budget leaves after its weights: the group has the fewest blocks any
     rank fits."""
-    from server.engine.executor import RayExecutor  # NOTE: Ray, only where the model is sharded
 
     path = resolve_model(config.model)
     executor = RayExecutor(config)
@@ -143,7 +143,7 @@ def _parts(config: EngineConfig, model, tokenizer, cfg: ModelConfig, cpu_path: C
 
 
 def _describe(path: CpuPath) -> None:
-    # NOTE: one line says what this machine runs; at warning level when a slower choice was asked for
+    # one line says what this machine runs; at warning level when a slower choice was asked for
     logger.log(logging.WARNING if path.note else logging.INFO, "attnserve engine: %s", path.describe())
 
 

@@ -24,7 +24,7 @@ RECOMPILE_LIMIT = 64  # one process may compile several models (tests do); each 
 
 def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far (warm-up must leave none to do later)."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # noqa: PLC0415 - inductor's modules load only where a step compiles
 
     return int(counters["stats"]["unique_graphs"])
 
@@ -33,7 +33,7 @@ def inductor_cache_dir() -> Path:
     """Where this CPU's compiled steps live: named by the ISA level chosen, the level torch's own
     kernels run at, and the CPU's flags.
 
-    NOTE: measured: inductor's cache keys miss torch's own capability. A process whose torch
+    Measured: inductor's cache keys miss torch's own capability. A process whose torch
     started before ATTNSERVE_CPU_ISA could cap it, sharing a directory with capped processes,
     loaded their artifacts and produced garbage (or a double free), and vice versa."""
     features = read_cpu_features()
@@ -42,21 +42,21 @@ def inductor_cache_dir() -> Path:
 
 
 def compile_model(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: PLC0415 - inductor's modules load only where a step compiles
 
     # NOTE: inductor fills in its /tmp default on first use (loading an HF model does), so only
     # a directory someone chose on purpose is kept
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
-    import torch._dynamo.config as dynamo_config
-    import torch._inductor.config as inductor_config
-    import torch.fx.experimental._config as fx_config
+    import torch._dynamo.config as dynamo_config  # noqa: PLC0415 - inductor's modules load only where a step compiles
+    import torch._inductor.config as inductor_config  # noqa: PLC0415 - inductor's modules load only where a step compiles
+    import torch.fx.experimental._config as fx_config  # noqa: PLC0415 - inductor's modules load only where a step compiles
 
     # NOTE: below the CPU's own level, generated code must not use what the cap takes away: its
     # vector ISA follows ATEN_CPU_CAPABILITY (read here, even where torch's kernels started uncapped)
     inductor_config.cpp.march = capped_march(apply_isa_cap(), read_cpu_features())
 
-    # NOTE: process-wide flags; they shape only how our model's graph is specialised
+    # process-wide flags; they shape only how our model's graph is specialised
     fx_config.use_duck_shape = False  # sizes that happen to be equal must not be assumed equal
     fx_config.backed_size_oblivious = True  # a size of 1 (batch-1 decode) is not a special case
     dynamo_config.specialize_float = True  # float attributes (norm eps) are constants, not inputs

@@ -25,6 +25,9 @@ import time
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
+import torch
+
+from models.attention_maps import attention_weights
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.executor import WorkerDiedError
@@ -60,11 +63,11 @@ class EngineCore:
     def run(self) -> None:
         engine = self.engine
         while True:
-            # NOTE: blocks only when idle (at most until a summary is due); while requests run,
+            # blocks only when idle (at most until a summary is due); while requests run,
             # commands are picked up between steps
             summary_due = engine.num_steps != self.summarized_steps
             if engine.has_unfinished() and engine.last_step_empty:
-                # NOTE: nothing could run (requests wait for their grammars): wait for a command or a
+                # nothing could run (requests wait for their grammars): wait for a command or a
                 # moment, rather than spin on empty steps
                 changed = self._drain(block=True, timeout=GRAMMAR_POLL_S)
             else:
@@ -113,7 +116,6 @@ class EngineCore:
 
     def _attention(self, command: ComputeAttention) -> AttentionWeights:
         """Between steps, on the engine's own model: one eager forward with the reference attention."""
-        from models.attention_maps import attention_weights
 
         if self.engine.model is None:
             return AttentionWeights(command.request_id, error="attention maps are not available for a model "
@@ -163,7 +165,6 @@ def main(argv: list[str]) -> int:
     conn = Connection(int(argv[0]))
     config: EngineConfig = conn.recv()
     if config.num_threads:
-        import torch
         torch.set_num_threads(config.num_threads)
     engine = LLMEngine(config)
     conn.send(EngineReady(engine.info, os.getpid(), engine.stats()))

@@ -24,7 +24,7 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (Check failed: \(.*?\) is f
 
 
 def _xgr():
-    import xgrammar
+    import xgrammar  # noqa: PLC0415 - xgrammar: only once a request is constrained
 
     return xgrammar
 
@@ -100,7 +100,7 @@ class GrammarCache:
                 xgr = _xgr()
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids)
-                # NOTE: our futures are the cache; xgrammar's own would hold every grammar twice
+                # our futures are the cache; xgrammar's own would hold every grammar twice
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
@@ -174,7 +174,7 @@ _BITS = (1 << torch.arange(32, dtype=torch.int64)).to(torch.int32)
 def apply_bitmask(logits: torch.Tensor, masks: tuple[torch.Tensor, list[int]]) -> None:
     """Disallowed tokens' logits -> -inf, in place, in the constrained rows of (S, V) logits.
 
-    NOTE: unpacking the words with torch is ~3x faster here than xgrammar's own CPU kernel
+    Unpacking the words with torch is ~3x faster here than xgrammar's own CPU kernel
     (1.4 against 3.9 ms for 16 rows of 49,152 bf16 logits), which walks disallowed tokens one by one."""
     bitmask, rows = masks
     num_rows, vocab = len(rows), logits.shape[-1]

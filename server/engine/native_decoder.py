@@ -76,7 +76,7 @@ class NativeDecoder:
                                                           cfg.intermediate_size, cfg.norm_eps,
                                                           model.final_norm.weight.detach())
         shm = _communicator(model)
-        if shm is not None:  # NOTE: a tensor-parallel rank: its partial sums all-reduced inside the C++ loop
+        if shm is not None:  # a tensor-parallel rank: its partial sums all-reduced inside the C++ loop
             self.stack.set_all_reduce(shm.handle)
         for layer in model.layers:
             tensors: list[torch.Tensor] = []

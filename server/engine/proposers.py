@@ -101,7 +101,7 @@ class DraftModelProposer:
         self.max_catch_up = max(map(len, feeds), default=0)
         active = list(range(len(requests)))
         for step in range(max(num_drafts, default=0)):
-            # NOTE: a request whose feed finds no draft blocks proposes what it has so far; the rest go on
+            # a request whose feed finds no draft blocks proposes what it has so far; the rest go on
             active = [i for i in active if num_drafts[i] > step and self._allocate(requests[i].request_id, feeds[i])]
             if not active:
                 break

@@ -9,15 +9,23 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from kvcache.paged_attention import AttentionMetadata, PagedAttention, warm_up_steps
 from kvcache.storage import KVCacheSpec, PagedKVCache
+from models.loader import load_for_serving
 from models.native.memory import resident_bytes
+from models.parallel import Shard, TensorParallelGroup, parallelize
+from models.registry import resolve_model
+from models.shm_comm import ShmCommunicator
+from server.engine.step import choose_step
 from server.wire import WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -38,7 +46,6 @@ class ShardWorker:
     """Loads its shard at construction; `init_cache` sizes its pool and compiles; `execute` runs steps."""
 
     def __init__(self, config, rank: int) -> None:
-        from models.parallel import Shard
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
         self.config = config
@@ -48,9 +55,8 @@ class ShardWorker:
 
     def master_address(self) -> str:
         """Rank 0's address for torch.distributed's rendezvous: this node, a free port."""
-        import socket
 
-        import ray
+        import ray  # noqa: PLC0415 - Ray: only in a shard's worker
 
         with socket.socket() as s:
             s.bind(("", 0))
@@ -58,13 +64,6 @@ class ShardWorker:
 
     def setup(self, master: str) -> None:
         """Join the group, then load this rank's shard (tensor by tensor) and join it with collectives."""
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        from models.loader import load_for_serving
-        from models.parallel import TensorParallelGroup, parallelize
-        from models.registry import resolve_model
 
         config, shard = self.config, self.shard
         tp, pp = shard.tp_size, shard.pp_size
@@ -93,10 +92,7 @@ class ShardWorker:
         NOTE: every rank of the group decides alike (from all their node ids), since setting one up is
         a collective. Its slots fit the largest collective of a step: the all-reduce of every token's
         hidden state, or the LM head's all-gather of every sampling row's logits."""
-        import ray
-        import torch.distributed as dist
-
-        from models.shm_comm import ShmCommunicator
+        import ray  # noqa: PLC0415 - Ray: only in a shard's worker
 
         nodes = [None] * self.shard.tp_size
         dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id(), group=group)
@@ -113,7 +109,7 @@ class ShardWorker:
         return spec.num_speculative_tokens if spec is not None else 0
 
     def describe(self) -> WorkerInfo:
-        import ray
+        import ray  # noqa: PLC0415 - Ray: only in a shard's worker
 
         cfg = self.model.config
         return WorkerInfo(self.shard.rank, self.shard.tp_rank, self.shard.pp_rank,
@@ -130,10 +126,9 @@ class ShardWorker:
 
     def init_cache(self, num_blocks: int) -> tuple[str, float]:
         """The pool, then the compiled step (warmed up by all ranks together): (step kind, seconds)."""
-        from server.engine.step import choose_step
 
         self.cache = PagedKVCache(self.spec, num_blocks, self.model.device, layers=self.layers)
-        # NOTE: native: a whole model's rank whose all-reduces go through shared memory
+        # native: a whole model's rank whose all-reduces go through shared memory
         step = choose_step(self.model, self.cache, not self.config.enforce_eager, self.config.native_decoder,
                            self._warm_up, f"rank {self.shard.rank}")
         self.forward, self.step = step.forward, step.kind
@@ -155,7 +150,6 @@ class ShardWorker:
     @torch.inference_mode()
     def _execute(self, inputs: StepInputs) -> torch.Tensor | None:
         """One step on this rank: logits (R, V) from the last stage's first rank, None elsewhere."""
-        import torch.distributed as dist
 
         shard, tp = self.shard, self.shard.tp_size
         self.num_steps += 1
@@ -165,11 +159,11 @@ class ShardWorker:
             start = time.perf_counter()
             dist.recv(hidden, src=shard.rank - tp)
             self.timers["recv"] += time.perf_counter() - start
-        stage_input = {} if hidden is None else {"hidden": hidden}  # NOTE: the native decoder takes none
+        stage_input = {} if hidden is None else {"hidden": hidden}  # the native decoder takes none
         out = self.forward(inputs.input_ids, inputs.positions, PagedAttention(self.cache, inputs.attn),
                            **stage_input)  # (T, C)
         if shard.pp_rank < shard.pp_size - 1:
-            # NOTE: sent without waiting: this stage goes on with the next micro-batch while the next stage runs
+            # sent without waiting: this stage goes on with the next micro-batch while the next stage runs
             start = time.perf_counter()
             while len(self.sends) >= shard.pp_size:
                 self.sends.popleft()[0].wait()

@@ -61,7 +61,7 @@ class SpeculationGate:
             on, off = (rate, b.rate[False]) if speculated else (b.rate[True], rate)
             agrees = (on >= off) == b.speculate
             b.gain = _ema(b.gain, on / off, GAIN_SMOOTHING)
-            # NOTE: backing off: each exploration that confirms the mode doubles the wait for the next;
+            # backing off: each exploration that confirms the mode doubles the wait for the next;
             # one that does not brings the next one close
             b.interval = min(2 * b.interval, MAX_EXPLORE_EVERY) if agrees else EXPLORE_EVERY
             b.speculate, b.steps_left = b.gain >= 1.0, b.interval

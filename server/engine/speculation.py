@@ -20,7 +20,7 @@ class Speculation:
 
     def after_step(self, out: SchedulerOutput, samplers, token_ids, accepted: dict[str, int], step_s: float) -> None:
         """Record the step for the gate, account for its drafts, then propose the next step's."""
-        # NOTE: the gate compares steady steps: no prefill chunk, and no draft model catching up on a
+        # the gate compares steady steps: no prefill chunk, and no draft model catching up on a
         # prompt (or on the tokens made while drafts were off), a cost paid once, not per step
         if self.gate is not None and all(s.num_new_tokens == 1 for s in out.seqs) and \
                 self.catch_up <= self.spec.num_speculative_tokens + 1:
@@ -39,7 +39,7 @@ class Speculation:
             for i in range(k):
                 st.spec_drafted[i] += 1
                 st.spec_accepted[i] += i < j
-            # NOTE: positions after the first rejection were never tested: the rate is j of min(j + 1, k) trials
+            # positions after the first rejection were never tested: the rate is j of min(j + 1, k) trials
             req.draft_acceptance = 0.7 * req.draft_acceptance + 0.3 * j / min(j + 1, k)
             if not req.is_finished:
                 self.proposer.rollback(req, req.num_computed_tokens)
