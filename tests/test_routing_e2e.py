@@ -5,6 +5,8 @@ import time
 import httpx
 import pytest
 
+# slow: its set-up starts two replicas that compile the step side by side: 60-100 s on 2 busy cores
+pytestmark = pytest.mark.slow
 APP = "attnserve-routed"
 PREFIX = list(range(200, 240))  # 10 blocks of 4 tokens
 
