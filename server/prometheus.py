@@ -26,9 +26,14 @@ from server.metrics import (
 _LABELS = list(MODEL_LABELS)
 
 
+def _family(kind, name: str, help_: str, *extra: str):
+    """A metric family of `kind` (gauge, counter, histogram) labelled by model and `extra`."""
+    return kind(f"{PREFIX}_{name}", help_, labels=_LABELS + list(extra))
+
+
 def _gauge_families() -> dict[str, GaugeMetricFamily]:
     def gauge(name: str, help_: str, *extra: str) -> GaugeMetricFamily:
-        return GaugeMetricFamily(f"{PREFIX}_{name}", help_, labels=_LABELS + list(extra))
+        return _family(GaugeMetricFamily, name, help_, *extra)
 
     return {
         "kv_blocks": gauge("kv_blocks", "KV blocks by state (summed over live replicas)", "state"),
@@ -52,7 +57,7 @@ def _gauge_families() -> dict[str, GaugeMetricFamily]:
 
 def _counter_families() -> dict[str, CounterMetricFamily]:
     def counter(name: str, help_: str, *extra: str) -> CounterMetricFamily:
-        return CounterMetricFamily(f"{PREFIX}_{name}", help_, labels=_LABELS + list(extra))
+        return _family(CounterMetricFamily, name, help_, *extra)
 
     return {
         **{name: counter(name, help_) for name, help_ in COUNTERS.items()},
@@ -131,7 +136,7 @@ class _SnapshotCollector:
 
     def collect(self):
         gauges, counters = _gauge_families(), _counter_families()
-        hists = {name: HistogramMetricFamily(f"{PREFIX}_{name}", help_, labels=_LABELS + ([label] if label else []))
+        hists = {name: _family(HistogramMetricFamily, name, help_, *([label] if label else []))
                  for name, (help_, _, label) in HISTOGRAMS.items()}
         for key, snaps in by_model(self.snapshots).items():
             _add_gauges(gauges, list(key), snaps, fresh(snaps, self.now))
