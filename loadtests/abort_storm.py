@@ -35,10 +35,13 @@ def gauges(url: str, model: str) -> dict[str, float]:
 async def one(client: httpx.AsyncClient, url: str, model: str, rng: random.Random, drop: bool, max_tokens: int,
               headers: dict) -> str:
     """'completed', 'dropped', or 'http-<status>' / 'error:<text>'."""
-    body = {"model": model, "prompt": f"{rng.randrange(10**6)} " * rng.randint(1, 20), "max_tokens": max_tokens,
-            "temperature": 0.8, "stream": True, "ignore_eos": True}
-    # events, not tokens: under load the server coalesces tokens, so a stream may have fewer events
-    cut_after = rng.randint(1, max(1, max_tokens // 2)) if drop else None
+    # events, not tokens: under load the server coalesces tokens, so a stream may have fewer events than
+    # tokens. A stream to drop asks for twice the tokens and is cut within its first eighth: it would have
+    # to pack eight tokens per event on average to finish first
+    body = {"model": model, "prompt": f"{rng.randrange(10**6)} " * rng.randint(1, 20),
+            "max_tokens": 2 * max_tokens if drop else max_tokens, "temperature": 0.8, "stream": True,
+            "ignore_eos": True}
+    cut_after = rng.randint(1, max(1, max_tokens // 4)) if drop else None
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
