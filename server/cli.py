@@ -280,9 +280,9 @@ def _drain(app_name: str, timeout: float) -> int:
     started, deadline = time.time(), time.monotonic() + timeout
     while True:
         snaps = fresh(ray.get(hub.collect.remote()), time.time())
-        left = sum(s["gauges"]["requests_running"] + s["gauges"]["requests_waiting"] for s in snaps)
+        left = sum(s.gauges.requests_running + s.gauges.requests_waiting for s in snaps)
         # NOTE: only reports taken after the signal count: an older one may predate the last requests
-        if (left == 0 and all(s["time"] > started for s in snaps)) or time.monotonic() > deadline:
+        if (left == 0 and all(s.time > started for s in snaps)) or time.monotonic() > deadline:
             time.sleep(1.0)  # let the last tokens cross ingress and proxy before they are stopped
             return left
         time.sleep(0.5)

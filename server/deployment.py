@@ -32,7 +32,7 @@ from server.model_client import LocalModelClient, ModelClient
 from server.openai_api import ApiLimits, OpenAIApi
 from server.router import CacheAwareRouter, routing_stats
 from server.serve_config import ServeConfig
-from server.wire import AttentionCall, AttentionMap, Chunk, GenerateCall, ModelInfo, PromptInfo
+from server.wire import AttentionCall, AttentionMap, Chunk, GenerateCall, MetricsSnapshot, ModelInfo, PromptInfo
 from server.worker import ModelWorker, encode_prompt
 
 logger = logging.getLogger(__name__)
@@ -49,12 +49,12 @@ class MetricsHub:
     monotonic) but its gauges drop out after STALE_AFTER_S."""
 
     def __init__(self) -> None:
-        self.snapshots: dict[str, dict] = {}
+        self.snapshots: dict[str, MetricsSnapshot] = {}
 
-    def report(self, replica_id: str, snapshot: dict) -> None:
+    def report(self, replica_id: str, snapshot: MetricsSnapshot) -> None:
         self.snapshots[replica_id] = snapshot
 
-    def collect(self) -> list[dict]:
+    def collect(self) -> list[MetricsSnapshot]:
         return list(self.snapshots.values())
 
 
@@ -75,7 +75,7 @@ class _Reporter(threading.Thread):
     def __init__(self, worker: ModelWorker, hub, replica_id: str, node_id: str) -> None:
         super().__init__(name="attnserve-metrics", daemon=True)
         self.worker, self.hub, self.replica_id = worker, hub, replica_id
-        self.where = {"replica": replica_id, "node": node_id}
+        self.node_id = node_id
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -84,7 +84,8 @@ class _Reporter(threading.Thread):
 
     def push(self) -> None:
         try:
-            self.hub.report.remote(self.replica_id, {**self.worker.snapshot(), **self.where})
+            snapshot = replace(self.worker.snapshot(), replica=self.replica_id, node=self.node_id)
+            self.hub.report.remote(self.replica_id, snapshot)
         except Exception:  # noqa: BLE001 - metrics must never take the replica down
             logger.exception("metrics report failed")
 
@@ -150,7 +151,7 @@ class _ServesApi:
         self.api_key = api_key
         self.hub = metrics_hub(serve.get_replica_context().app_name, hub_resources)
 
-    async def snapshots(self) -> list[dict]:
+    async def snapshots(self) -> list[MetricsSnapshot]:
         return await self.hub.collect.remote()
 
     def __serve_build_asgi_app__(self):

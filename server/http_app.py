@@ -30,6 +30,7 @@ from server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from server.wire import MetricsSnapshot
 
 logger = logging.getLogger(__name__)
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
@@ -129,7 +130,7 @@ def _param(loc: tuple) -> str | None:
 
 
 def create_app(api: OpenAIApi, api_key: str | None = None,
-               snapshots: Callable[[], Awaitable[list[dict]]] | None = None) -> FastAPI:
+               snapshots: Callable[[], Awaitable[list[MetricsSnapshot]]] | None = None) -> FastAPI:
     """`snapshots` returns every replica's metrics snapshot (see server/metrics.py)."""
     app = FastAPI(title="attnserve", version="0.1.0", description="OpenAI-compatible text generation")
     page, attention_page, uplot_js, uplot_css = ((STATIC / name).read_bytes() for name in (
@@ -169,7 +170,7 @@ def create_app(api: OpenAIApi, api_key: str | None = None,
         ok = bool(models) and all(models.values())
         return JSONResponse({"status": "ok" if ok else "unavailable", "models": models}, status_code=200 if ok else 503)
 
-    async def all_snapshots() -> list[dict]:
+    async def all_snapshots() -> list[MetricsSnapshot]:
         return await snapshots() if snapshots is not None else []
 
     @app.get("/metrics")

@@ -2,7 +2,7 @@
 
 A `MetricsRecorder` in each replica is fed values only: each finished request's `RequestStats`
 and the engine's latest `EngineStats`, both sent by the engine process with its outputs. It turns
-them into plain-dict snapshots; snapshots from every replica (pushed to one hub actor in a cluster) are merged and
+them into typed snapshots (server/wire.py `MetricsSnapshot`); snapshots from every replica (pushed to one hub actor in a cluster) are merged and
 rendered for Prometheus (server/prometheus.py) and for the built-in dashboard (server/dashboard.py),
 which read them with the helpers at the end of this module. No Ray imports: the transport lives in
 server/deployment.py.
@@ -10,15 +10,22 @@ server/deployment.py.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import threading
 import time
 from collections import deque
-from typing import Any, Iterable
+from typing import Iterable
 
 from models.native.memory import resident_bytes
 from server.kv_forms import kv_bytes_per_token_at
-from server.wire import EngineStats, ModelInfo, RequestStats
+from server.wire import (
+    EngineStats,
+    HistogramCounts,
+    MetricsSnapshot,
+    ModelInfo,
+    ReplicaGauges,
+    RequestPoint,
+    RequestStats,
+)
 
 PREFIX = "attnserve"
 MODEL_LABELS = ("model", "attention", "kv_heads", "kv_cache_dtype")
@@ -70,8 +77,8 @@ class _Histogram:
         s[bisect.bisect_left(self.buckets, value)] += 1
         s[-1] += value
 
-    def export(self) -> dict[str, Any]:
-        return {"buckets": self.buckets, "series": {k: list(v) for k, v in self.series.items()}}
+    def export(self) -> HistogramCounts:
+        return HistogramCounts(self.buckets, {k: list(v) for k, v in self.series.items()})
 
 
 # name -> (help, buckets, the label its series are keyed by or None)
@@ -130,9 +137,7 @@ class MetricsRecorder:
     metrics reporter's."""
 
     def __init__(self, model: str, info: ModelInfo) -> None:
-        self.info = info
-        self.labels = {"model": model, "attention": info.attention, "kv_heads": str(info.num_kv_heads),
-                       "kv_cache_dtype": info.kv_cache_dtype}
+        self.model, self.info = model, info
         token_buckets = one_two_five(1, info.max_model_len)
         self.histograms = {name: _Histogram(b if b is not None else (one_two_five(1, info.num_blocks) if "blocks" in name
                                                                   else token_buckets))
@@ -172,54 +177,31 @@ class MetricsRecorder:
             h["request_prompt_tokens"].observe("", s.num_prompt_tokens)
             h["request_generation_tokens"].observe("", s.num_output_tokens)
             itl = sum(s.inter_token_latencies) / len(s.inter_token_latencies) if s.inter_token_latencies else None
-            self.recent.append((seq_len, s.num_prompt_tokens, s.num_output_tokens, s.peak_kv_bytes, s.ttft, itl,
-                                s.e2e_latency))
+            self.recent.append(RequestPoint(seq_len, s.num_prompt_tokens, s.num_output_tokens, s.peak_kv_bytes,
+                                            s.ttft, itl, s.e2e_latency))
 
     def on_error(self, kind: str) -> None:
         with self.lock:
             self.errors[kind] = self.errors.get(kind, 0) + 1
 
-    def snapshot(self, e: EngineStats) -> dict[str, Any]:
-        """Cumulative counts plus current gauges, as plain data (safe to pickle and merge)."""
+    def snapshot(self, e: EngineStats) -> MetricsSnapshot:
+        """Cumulative counts plus current gauges, as values (safe to pickle and merge)."""
         info = self.info
         with self.lock:
             hist = {name: h.export() for name, h in self.histograms.items()}
-            reasons, errors, recent = dict(self.finish_reasons), dict(self.errors), list(self.recent)
-            structured = dict(self.structured)
-            spec = {"drafted": list(self.spec_drafted), "accepted": list(self.spec_accepted)}
-        bytes_per_block = block_bytes(info.kv_bytes_per_token, info.block_size, info.kv_block_bytes)
-        return {
-            "labels": self.labels,
-            "time": time.time(),
-            "counters": {
-                "prompt_tokens": e.num_prompt_tokens, "generation_tokens": e.num_generated_tokens,
-                "prefix_cache_queries": e.num_prefix_queries, "prefix_cache_hits": e.num_prefix_hits,
-                "preemptions": e.num_preemptions,
-            },
-            "finish_reasons": reasons,
-            "structured": structured,
-            "spec_decode": spec,
-            "errors": errors,
-            "gauges": {
-                "kv_blocks_total": info.num_blocks, "kv_blocks_used": e.num_used_blocks,
-                "kv_blocks_cached_free": e.num_cached_free_blocks,
-                "kv_bytes_total": info.num_blocks * bytes_per_block,
-                "kv_bytes_used": e.num_used_blocks * bytes_per_block,
-                "requests_running": e.num_running, "requests_waiting": e.num_waiting,
-                "resident_memory_bytes": resident_bytes()[0] + e.resident_memory_bytes,
-            },
-            "static": {"kv_bytes_per_token": info.kv_bytes_per_token, "block_size": info.block_size,
-                       "kv_block_bytes": bytes_per_block, "layer_windows": list(info.layer_windows),
-                       "attention_variants": list(info.attention_variants),
-                       "num_heads": info.num_heads, "num_blocks": info.num_blocks,
-                       "max_model_len": info.max_model_len, "quantization": info.quantization,
-                       "weight_bytes": info.weight_bytes, "speculative": info.speculative,
-                       "tensor_parallel_size": info.tensor_parallel_size,
-                       "pipeline_parallel_size": info.pipeline_parallel_size},
-            "workers": [dataclasses.asdict(w) for w in info.workers],
-            "histograms": hist,
-            "recent": recent,
-        }
+            counts = dict(finish_reasons=dict(self.finish_reasons), errors=dict(self.errors),
+                          structured=dict(self.structured), spec_drafted=tuple(self.spec_drafted),
+                          spec_accepted=tuple(self.spec_accepted), recent=tuple(self.recent))
+        bytes_per_block = pool_block_bytes(info)
+        gauges = ReplicaGauges(
+            kv_blocks_total=info.num_blocks, kv_blocks_used=e.num_used_blocks,
+            kv_blocks_cached_free=e.num_cached_free_blocks, kv_bytes_total=info.num_blocks * bytes_per_block,
+            kv_bytes_used=e.num_used_blocks * bytes_per_block, requests_running=e.num_running,
+            requests_waiting=e.num_waiting, resident_memory_bytes=resident_bytes()[0] + e.resident_memory_bytes)
+        counters = {"prompt_tokens": e.num_prompt_tokens, "generation_tokens": e.num_generated_tokens,
+                    "prefix_cache_queries": e.num_prefix_queries, "prefix_cache_hits": e.num_prefix_hits,
+                    "preemptions": e.num_preemptions}
+        return MetricsSnapshot(self.model, info, time.time(), counters, gauges, hist, **counts)
 
 
 def block_bytes(kv_bytes_per_token: int, block_size: int, kv_block_bytes: int = 0) -> int:
@@ -228,49 +210,38 @@ def block_bytes(kv_bytes_per_token: int, block_size: int, kv_block_bytes: int = 
     return kv_block_bytes or kv_bytes_per_token * block_size
 
 
+def pool_block_bytes(info: ModelInfo) -> int:
+    return block_bytes(info.kv_bytes_per_token, info.block_size, info.kv_block_bytes)
+
+
 # ---- reading snapshots (server/prometheus.py, server/dashboard.py) ------------------------------
-def static_block_bytes(static: dict) -> int:
-    """block_bytes of a snapshot's static facts (older snapshots lack kv_block_bytes: no windows then)."""
-    return block_bytes(static["kv_bytes_per_token"], static["block_size"], static.get("kv_block_bytes", 0))
-
-
-def fresh(snapshots: list[dict], now: float) -> list[dict]:
+def fresh(snapshots: list[MetricsSnapshot], now: float) -> list[MetricsSnapshot]:
     """Snapshots of replicas still reporting."""
-    return [s for s in snapshots if now - s["time"] <= STALE_AFTER_S]
+    return [s for s in snapshots if now - s.time <= STALE_AFTER_S]
 
 
-def spec_counts(snaps: list[dict]) -> tuple[list[int], list[int]]:
-    """Per-position drafted and accepted counts summed over replicas (older snapshots lack them)."""
+def spec_counts(snaps: list[MetricsSnapshot]) -> tuple[list[int], list[int]]:
+    """Per-position drafted and accepted counts summed over replicas."""
     drafted: list[int] = []
     accepted: list[int] = []
     for s in snaps:
-        spec = s.get("spec_decode", {})
-        add_positions(drafted, spec.get("drafted", ()))
-        add_positions(accepted, spec.get("accepted", ()))
+        add_positions(drafted, s.spec_drafted)
+        add_positions(accepted, s.spec_accepted)
     accepted += [0] * (len(drafted) - len(accepted))
     return drafted, accepted
 
 
-def by_model(snapshots: list[dict]) -> dict[tuple[str, ...], list[dict]]:
-    groups: dict[tuple[str, ...], list[dict]] = {}
+def by_model(snapshots: list[MetricsSnapshot]) -> dict[tuple[str, ...], list[MetricsSnapshot]]:
+    groups: dict[tuple[str, ...], list[MetricsSnapshot]] = {}
     for s in snapshots:
-        groups.setdefault(tuple(s["labels"][k] for k in MODEL_LABELS), []).append(s)
+        groups.setdefault(s.labels, []).append(s)
     return groups
 
 
-def weights_of(snaps: list[dict]) -> tuple[str, int] | None:
-    """(quantization, weight bytes) of a model's replicas: the newest report's (all load the same)."""
-    statics = [s["static"] for s in sorted(snaps, key=lambda s: s["time"]) if "weight_bytes" in s["static"]]
-    return (str(statics[-1]["quantization"]), int(statics[-1]["weight_bytes"])) if statics else None
+def newest_info(snaps: list[MetricsSnapshot]) -> ModelInfo:
+    """The model's facts as its newest report states them (every replica loads the same)."""
+    return max(snaps, key=lambda s: s.time).info
 
 
-def newest_static(snaps: list[dict]) -> dict:
-    return max(snaps, key=lambda s: s["time"])["static"]
-
-
-def layer_windows(static: dict) -> tuple[int | None, ...]:
-    return tuple(static.get("layer_windows") or ())  # older snapshots: every layer global
-
-
-def per_token_at(static: dict, num_tokens: int) -> float:
-    return kv_bytes_per_token_at(static["kv_bytes_per_token"], layer_windows(static), static["block_size"], num_tokens)
+def per_token_at(info: ModelInfo, num_tokens: int) -> float:
+    return kv_bytes_per_token_at(info.kv_bytes_per_token, info.layer_windows, info.block_size, num_tokens)

@@ -16,12 +16,12 @@ from server.metrics import (
     SPEC_POS_COUNTERS,
     by_model,
     fresh,
-    newest_static,
+    newest_info,
     per_token_at,
     spec_counts,
     spec_totals,
-    weights_of,
 )
+from server.wire import MetricsSnapshot
 
 _LABELS = list(MODEL_LABELS)
 
@@ -70,36 +70,35 @@ def _counter_families() -> dict[str, CounterMetricFamily]:
     }
 
 
-def _add_gauges(g: dict[str, GaugeMetricFamily], lv: list[str], snaps: list[dict], live: list[dict]) -> None:
+def _add_gauges(g: dict[str, GaugeMetricFamily], lv: list[str], snaps: list[MetricsSnapshot],
+                live: list[MetricsSnapshot]) -> None:
     def gs(k: str) -> float:
-        return sum(s["gauges"][k] for s in live)
+        return sum(getattr(s.gauges, k) for s in live)
 
     for state, k in (("total", "kv_blocks_total"), ("used", "kv_blocks_used"), ("cached_free", "kv_blocks_cached_free")):
         g["kv_blocks"].add_metric(lv + [state], gs(k))
     for state, k in (("capacity", "kv_bytes_total"), ("used", "kv_bytes_used")):
         g["kv_bytes"].add_metric(lv + [state], gs(k))
-    g["kv_bytes_per_token"].add_metric(lv, max(s["static"]["kv_bytes_per_token"] for s in snaps))
-    static = newest_static(snaps)
+    g["kv_bytes_per_token"].add_metric(lv, max(s.info.kv_bytes_per_token for s in snaps))
+    info = newest_info(snaps)
     for n in KV_CURVE_LENGTHS:
-        g["kv_bytes_per_token_at_length"].add_metric(lv + [str(n)], per_token_at(static, n))
+        g["kv_bytes_per_token_at_length"].add_metric(lv + [str(n)], per_token_at(info, n))
     total = gs("kv_blocks_total")
     g["kv_cache_usage_ratio"].add_metric(lv, gs("kv_blocks_used") / total if total else 0.0)
     g["requests_running"].add_metric(lv, gs("requests_running"))
     g["requests_waiting"].add_metric(lv, gs("requests_waiting"))
     g["replicas"].add_metric(lv, len(live))
     g["memory"].add_metric(lv, gs("resident_memory_bytes"))
-    weights = weights_of(snaps)
-    if weights is not None:  # older replicas' snapshots lack it
-        g["weight_bytes"].add_metric(lv + [weights[0]], weights[1])
+    g["weight_bytes"].add_metric(lv + [info.quantization], info.weight_bytes)
 
 
-def _add_counters(c: dict[str, CounterMetricFamily], lv: list[str], snaps: list[dict]) -> None:
+def _add_counters(c: dict[str, CounterMetricFamily], lv: list[str], snaps: list[MetricsSnapshot]) -> None:
     for name in COUNTERS:
-        c[name].add_metric(lv, sum(s["counters"][name] for s in snaps))
+        c[name].add_metric(lv, sum(s.counters[name] for s in snaps))
     for field in ("finish_reasons", "errors", "structured"):
         merged: dict[str, int] = {}
         for s in snaps:
-            for k, v in s.get(field, {}).items():
+            for k, v in getattr(s, field).items():
                 merged[k] = merged.get(k, 0) + v
         for k, v in sorted(merged.items()):
             c[field].add_metric(lv + [k], v)
@@ -111,14 +110,12 @@ def _add_counters(c: dict[str, CounterMetricFamily], lv: list[str], snaps: list[
         c["num_accepted_tokens_per_pos"].add_metric(lv + [str(i)], a)
 
 
-def _add_histograms(h: dict[str, HistogramMetricFamily], lv: list[str], snaps: list[dict]) -> None:
+def _add_histograms(h: dict[str, HistogramMetricFamily], lv: list[str], snaps: list[MetricsSnapshot]) -> None:
     for name, fam in h.items():
-        if name not in snaps[0]["histograms"]:  # an older replica's snapshot
-            continue
-        buckets = snaps[0]["histograms"][name]["buckets"]
+        buckets = snaps[0].histograms[name].buckets
         merged: dict[str, list] = {}
         for s in snaps:
-            for k, v in s["histograms"][name]["series"].items():
+            for k, v in s.histograms[name].series.items():
                 acc = merged.setdefault(k, [0] * len(v))
                 for i, x in enumerate(v):
                     acc[i] += x
@@ -131,7 +128,7 @@ def _add_histograms(h: dict[str, HistogramMetricFamily], lv: list[str], snaps: l
 
 
 class _SnapshotCollector:
-    def __init__(self, snapshots: list[dict], now: float) -> None:
+    def __init__(self, snapshots: list[MetricsSnapshot], now: float) -> None:
         self.snapshots, self.now = snapshots, now
 
     def collect(self):
@@ -155,7 +152,7 @@ def _bucket_order(label: str) -> int:
     return int(label.split("-")[0]) if label and label[0].isdigit() else 0
 
 
-def render_prometheus(snapshots: list[dict], now: float | None = None) -> bytes:
+def render_prometheus(snapshots: list[MetricsSnapshot], now: float | None = None) -> bytes:
     """Prometheus text exposition of the merged snapshots."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SnapshotCollector(snapshots, time.time() if now is None else now))

@@ -158,6 +158,69 @@ class ModelInfo:
     workers: tuple[WorkerInfo, ...] = ()  # the ranks, when the model is sharded over several
 
 
+# ---- replica -> metrics hub ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class HistogramCounts:
+    """One histogram's counts per label value (server/metrics.py HISTOGRAMS)."""
+
+    buckets: tuple[float, ...]
+    series: dict[str, list[float]]  # label value -> [count per bucket..., +Inf count, sum]
+
+
+@dataclass(frozen=True)
+class ReplicaGauges:
+    """A replica's current values (summed over the live replicas when rendered)."""
+
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached_free: int
+    kv_bytes_total: int
+    kv_bytes_used: int
+    requests_running: int
+    requests_waiting: int
+    resident_memory_bytes: int  # the replica's and its engine process's
+
+
+@dataclass(frozen=True)
+class RequestPoint:
+    """One finished request, for the dashboard's scatter plots."""
+
+    seq_len: int
+    prompt_tokens: int
+    output_tokens: int
+    kv_bytes: int
+    ttft: float | None
+    itl: float | None  # mean gap between its output tokens
+    e2e: float | None
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """One replica's cumulative counts and current gauges, pushed to the metrics hub about once a second
+    and merged per model (server/prometheus.py, server/dashboard.py). Fields added later carry defaults:
+    a snapshot pickled by an older replica reads them as their default."""
+
+    model: str
+    info: ModelInfo  # the served model's facts: labels, pool geometry, weights
+    time: float  # time.time() when taken: a replica silent for long is gone
+    counters: dict[str, int]  # server/metrics.py COUNTERS
+    gauges: ReplicaGauges
+    histograms: dict[str, HistogramCounts]  # server/metrics.py HISTOGRAMS
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+    structured: dict[str, int] = field(default_factory=dict)  # constrained requests by kind
+    spec_drafted: tuple[int, ...] = ()  # speculative decoding: drafts at position i, summed over requests
+    spec_accepted: tuple[int, ...] = ()
+    recent: tuple[RequestPoint, ...] = ()
+    replica: str = "?"  # Ray's replica and node ids, set by the reporter
+    node: str = "local"
+
+    @property
+    def labels(self) -> tuple[str, str, str, str]:
+        """(model, attention, kv_heads, kv_cache_dtype): server/metrics.py MODEL_LABELS."""
+        return self.model, self.info.attention, str(self.info.num_kv_heads), self.info.kv_cache_dtype
+
+
 # ---- replica <-> engine process ------------------------------------------------------------------
 @dataclass(frozen=True)
 class AddRequest:

@@ -23,6 +23,7 @@ from server.wire import (
     Chunk,
     GenerateCall,
     LogprobEntry,
+    MetricsSnapshot,
     ModelInfo,
     PromptInfo,
     RequestOutput,
@@ -99,7 +100,7 @@ class ModelWorker:
         """Sleep `delay_s` before every model step (chaos testing: in-flight requests stay in flight)."""
         self.engine.slow_steps(delay_s)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> MetricsSnapshot:
         """Metrics snapshot (cumulative counts + current gauges) for aggregation across replicas."""
         return self.metrics.snapshot(self.engine.stats)
 

@@ -94,6 +94,6 @@ def test_scales_up_under_locust_load_and_back_down(serve_url, tiny_variants, tmp
         hub = ray.get_actor(hub_name(APP), namespace=HUB_NAMESPACE)
         snaps = ray.get(hub.collect.remote())
         assert len(snaps) == 2  # both replicas served and reported
-        assert all(s["gauges"]["kv_blocks_used"] == 0 for s in snaps)  # no block held anywhere
+        assert all(s.gauges.kv_blocks_used == 0 for s in snaps)  # no block held anywhere
     finally:
         serve.delete(APP)

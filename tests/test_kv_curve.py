@@ -132,11 +132,11 @@ def test_metrics_pool_bytes_and_curve_of_a_windowed_model():
     info = windowed_info()
     assert info.kv_block_bytes == 1024  # one layer's block: half of kv_bytes_per_token x block_size
     snap = MetricsRecorder("w", info).snapshot(engine_stats(used=7))
-    assert (snap["gauges"]["kv_bytes_total"], snap["gauges"]["kv_bytes_used"]) == (100 * 1024, 7 * 1024)
+    assert (snap.gauges.kv_bytes_total, snap.gauges.kv_bytes_used) == (100 * 1024, 7 * 1024)
     # an old constructor (no windows, kv_block_bytes 0): a block of every layer
     old = ModelInfo(256, "gqa", 2, 128, 100, 16, 100, 4, "bfloat16", CPU, "none", 1000, None)
     old_snap = MetricsRecorder("g", old).snapshot(engine_stats(used=7))
-    assert (old_snap["gauges"]["kv_bytes_total"], old_snap["gauges"]["kv_bytes_used"]) == (100 * 2048, 7 * 2048)
+    assert (old_snap.gauges.kv_bytes_total, old_snap.gauges.kv_bytes_used) == (100 * 2048, 7 * 2048)
     text = render_prometheus([snap, old_snap])
     s = parse(text)
     assert value(s, "attnserve_kv_bytes", model="w", state="capacity") == 100 * 1024

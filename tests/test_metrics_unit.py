@@ -2,6 +2,7 @@
 import shutil
 import subprocess
 import time
+from dataclasses import replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -9,32 +10,43 @@ from models.native.cpu_path import CpuPath
 from server.dashboard import dashboard_data
 from server.metrics import MetricsRecorder, one_two_five, seq_len_bucket
 from server.prometheus import render_prometheus
-from server.wire import EngineStats, ModelInfo, RequestStats
+from server.wire import (
+    EngineStats,
+    HistogramCounts,
+    MetricsSnapshot,
+    ModelInfo,
+    ReplicaGauges,
+    RequestPoint,
+    RequestStats,
+)
+
+CPU = CpuPath("cpu", "avx2", "bfloat16", "bfloat16", "torch", "sdpa", 1)
 
 
-def snapshot(model="m", attention="gqa", kv_heads=2, used=3, age=0.0, ttft=(0.1,), finished=1, hits=5):
+def snapshot(model="m", attention="gqa", kv_heads=2, used=3, age=0.0, ttft=(0.1,), finished=1, hits=5, **info_fields):
+    """A replica's snapshot as it reaches the hub; `info_fields` replace its ModelInfo's."""
     buckets = (0.05, 0.5, 5.0)
     counts = [0, 0, 0, 0]
     for t in ttft:
         counts[sum(t > b for b in buckets)] += 1
-    hist = {"buckets": buckets, "series": {"11-20": counts + [sum(ttft)]}}
-    empty = {"buckets": buckets, "series": {}}
     names = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
              "request_queue_time_seconds", "request_prefill_time_seconds", "request_kv_cache_bytes",
-             "request_kv_blocks", "request_prompt_tokens", "request_generation_tokens"]
-    return {
-        "labels": {"model": model, "attention": attention, "kv_heads": str(kv_heads), "kv_cache_dtype": "bfloat16"},
-        "time": time.time() - age,
-        "counters": {"prompt_tokens": 10, "generation_tokens": 7, "prefix_cache_queries": 10, "prefix_cache_hits": hits,
-                     "preemptions": 1},
-        "finish_reasons": {"length": finished}, "errors": {},
-        "gauges": {"kv_blocks_total": 100, "kv_blocks_used": used, "kv_blocks_cached_free": 2, "kv_bytes_total": 1000,
-                   "kv_bytes_used": used * 10, "requests_running": 1, "requests_waiting": 0,
-                   "resident_memory_bytes": 2**20},
-        "static": {"kv_bytes_per_token": 64 * kv_heads, "block_size": 16, "max_model_len": 256},
-        "histograms": {n: (hist if n == "time_to_first_token_seconds" else empty) for n in names},
-        "recent": [(12, 10, 2, 640, 0.1, 0.01, 0.2)],
-    }
+             "request_kv_blocks", "request_prompt_tokens", "request_generation_tokens", "grammar_compile_seconds"]
+    hists = {n: HistogramCounts(buckets, {"11-20": counts + [sum(ttft)]} if n == "time_to_first_token_seconds" else {})
+             for n in names}
+    info = ModelInfo(**{**dict(max_model_len=256, attention=attention, num_kv_heads=kv_heads,
+                                kv_bytes_per_token=64 * kv_heads, vocab_size=100, block_size=16, num_blocks=100,
+                                num_heads=kv_heads, kv_cache_dtype="bfloat16", cpu_path=CPU, quantization="none",
+                                weight_bytes=1000), **info_fields})
+    return MetricsSnapshot(
+        model, info, time.time() - age,
+        counters={"prompt_tokens": 10, "generation_tokens": 7, "prefix_cache_queries": 10, "prefix_cache_hits": hits,
+                  "preemptions": 1},
+        gauges=ReplicaGauges(kv_blocks_total=100, kv_blocks_used=used, kv_blocks_cached_free=2, kv_bytes_total=1000,
+                             kv_bytes_used=used * 10, requests_running=1, requests_waiting=0,
+                             resident_memory_bytes=2**20),
+        histograms=hists, finish_reasons={"length": finished},
+        recent=(RequestPoint(12, 10, 2, 640, 0.1, 0.01, 0.2),))
 
 
 def parse(text: bytes) -> dict:
@@ -87,8 +99,7 @@ def test_every_model_gets_its_mha_gqa_mqa_forms():
     mha = kv_forms(num_heads=12, num_kv_heads=12, kv_bytes_per_token=1200, pool_bytes=2**20, block_size=16)
     assert [(r["attention"], r["kv_heads"], r["what_if"]) for r in mha] == [
         ("mha", 12, False), ("gqa", 6, True), ("mqa", 1, True)]
-    snap = snapshot("a", "gqa", 2)
-    snap["static"].update(num_heads=4, num_blocks=10)
+    snap = snapshot("a", "gqa", 2, num_heads=4, num_blocks=10)
     (model,) = dashboard_data([snap])["models"]
     assert [f["kv_heads"] for f in model["forms"]] == [4, 2, 1]
 
@@ -107,15 +118,14 @@ def test_eval_rows_merge_in_the_cache(tmp_path, monkeypatch):
 
 
 def test_weight_bytes_gauge_and_dashboard_fields():
-    a, b = snapshot("a", "gqa", 2), snapshot("a", "gqa", 2, age=1.0)
-    for snap in (a, b):
-        snap["static"].update(quantization="int8", weight_bytes=123_456)
-    s = parse(render_prometheus([a, b, snapshot("old", "mqa", 1)]))  # "old": a replica from before quantization
+    a, b = (snapshot("a", "gqa", 2, age=age, quantization="int8", weight_bytes=123_456) for age in (0.0, 1.0))
+    s = parse(render_prometheus([a, b, snapshot("plain", "mqa", 1)]))  # "plain": unquantized, 1000 bytes
     assert value(s, "attnserve_model_weight_bytes", model="a", quantization="int8", kv_heads="2") == 123_456  # not summed
-    assert not [k for k in s if k[0] == "attnserve_model_weight_bytes" and dict(k[1])["model"] == "old"]
-    data = {m["model"]: m for m in dashboard_data([a, b, snapshot("old", "mqa", 1)])["models"]}
+    assert value(s, "attnserve_model_weight_bytes", model="plain", quantization="none") == 1000
+    assert len([k for k in s if k[0] == "attnserve_model_weight_bytes"]) == 2  # one per model, whatever its replicas
+    data = {m["model"]: m for m in dashboard_data([a, b, snapshot("plain", "mqa", 1)])["models"]}
     assert (data["a"]["quantization"], data["a"]["weight_bytes"]) == ("int8", 123_456)
-    assert (data["old"]["quantization"], data["old"]["weight_bytes"]) == (None, None)
+    assert (data["plain"]["quantization"], data["plain"]["weight_bytes"]) == ("none", 1000)
     assert shutil.which("promtool"), "promtool missing: `make test` installs Debian's prometheus package"
     res = subprocess.run(["promtool", "check", "metrics"], input=render_prometheus([a, b]), capture_output=True)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -134,7 +144,7 @@ def test_eval_rows_merge_per_weight_format(tmp_path, monkeypatch):
 
 
 def test_dashboard_lists_replicas_per_node():
-    snaps = [{**snapshot("a", "gqa", 2), "replica": r, "node": n} for r, n in (("r2", "nB"), ("r1", "nA"), ("r3", "nA"))]
+    snaps = [replace(snapshot("a", "gqa", 2), replica=r, node=n) for r, n in (("r2", "nB"), ("r1", "nA"), ("r3", "nA"))]
     (model,) = dashboard_data(snaps)["models"]
     assert model["replicas_by_node"] == {"nA": ["r1", "r3"], "nB": ["r2"]} and model["replicas"] == 3
 
@@ -146,10 +156,9 @@ def test_promtool_accepts_the_exposition():
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def recorder_snapshot(*spec: tuple[list[int], list[int]], speculative="ngram") -> dict:
+def recorder_snapshot(*spec: tuple[list[int], list[int]], speculative="ngram") -> MetricsSnapshot:
     """A real recorder's snapshot after finished requests with these (drafted, accepted) per position."""
-    info = ModelInfo(256, "gqa", 2, 128, 100, 16, 100, 4, "bfloat16", CpuPath("cpu", "avx2", "bfloat16", "bfloat16",
-                     "torch", "sdpa", 1), "none", 1000, speculative)
+    info = ModelInfo(256, "gqa", 2, 128, 100, 16, 100, 4, "bfloat16", CPU, "none", 1000, speculative)
     rec = MetricsRecorder("m", info)
     for drafted, accepted in spec:
         rec.on_finished(RequestStats(0.0, 5, first_token_time=0.1, finished_time=0.2, num_output_tokens=8,

@@ -11,7 +11,7 @@ APP = "attnserve-routed"
 PREFIX = list(range(200, 240))  # 10 blocks of 4 tokens
 
 
-def snapshots() -> list[dict]:
+def snapshots() -> list:
     import ray
 
     from server.deployment import HUB_NAMESPACE, hub_name
@@ -19,11 +19,11 @@ def snapshots() -> list[dict]:
     return ray.get(ray.get_actor(hub_name(APP), namespace=HUB_NAMESPACE).collect.remote())
 
 
-def settled_snapshots(expect_requests: int) -> list[dict]:
+def settled_snapshots(expect_requests: int) -> list:
     """Replica snapshots once every finished request has been reported (they push every second)."""
     for _ in range(60):
         snaps = snapshots()
-        done = sum(sum(s["finish_reasons"].values()) for s in snaps)
+        done = sum(sum(s.finish_reasons.values()) for s in snaps)
         if len(snaps) == 2 and done >= expect_requests:
             return snaps
         time.sleep(0.5)
@@ -66,9 +66,9 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_caches_it(routed_url
     assert cached == [40] * 6  # every one hit the whole prefix: each went where it is cached
 
     snaps = settled_snapshots(7)
-    hits = sorted(s["counters"]["prefix_cache_hits"] for s in snaps)
+    hits = sorted(s.counters["prefix_cache_hits"] for s in snaps)
     assert hits == [0, 6 * 40]  # all on one replica, nothing on the other
-    assert all(s["gauges"]["kv_blocks_used"] == 0 for s in snaps)  # no leak on either
+    assert all(s.gauges.kv_blocks_used == 0 for s in snaps)  # no leak on either
 
 
 def test_chat_is_tokenized_in_the_ingress_and_served(routed_url):
