@@ -4,17 +4,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import logging
 import os
+import signal
 import sys
+import time
+
+from models.corpus import HELD_OUT_PLAY, held_out_text
+from models.native.cpu_features import apply_isa_cap
+from models.native.cpu_path import DTYPES, QUANTIZATIONS
+from server import eval_results
+from server.engine.config import KV_CACHE_DTYPES, EngineConfig, parse_size
+from server.kv_forms import KV_CURVE_LENGTHS
+from server.metrics import fresh
 
 APP_NAME = "attnserve"
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from models.kv_heads import convert
-    from models.loader import parse_dtype
-    from models.registry import resolve_model
+    from models.kv_heads import convert  # noqa: PLC0415 - torch, after the ISA cap
+    from models.loader import parse_dtype  # noqa: PLC0415 - torch, after the ISA cap
+    from models.registry import resolve_model  # noqa: PLC0415 - torch, after the ISA cap
 
     dtype = parse_dtype(args.dtype) if args.dtype else None
     out = convert(resolve_model(args.model), args.kv_heads, args.out, dtype=dtype)
@@ -24,7 +35,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _read_prompts(args: argparse.Namespace, tokenizer) -> list[tuple[list[int], int]]:
     """(prompt token ids, max_tokens) per input, in order."""
-    import json
 
     def encode(text: str) -> list[int]:
         if args.chat:
@@ -51,7 +61,6 @@ def _read_prompts(args: argparse.Namespace, tokenizer) -> list[tuple[list[int], 
 
 
 def _engine_config(args: argparse.Namespace, model: str = "default"):
-    from server.engine.config import EngineConfig
 
     return EngineConfig(
         model=model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
@@ -66,11 +75,10 @@ def _engine_config(args: argparse.Namespace, model: str = "default"):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import json
 
-    import torch
+    import torch  # noqa: PLC0415 - torch, after the ISA cap
 
-    from server.engine import LLMEngine, SamplingParams
+    from server.engine import LLMEngine, SamplingParams  # noqa: PLC0415 - torch, after the ISA cap
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,20 +110,16 @@ def _eval(args: argparse.Namespace) -> int:
     MQA forms) and weight quantization. Per model the window is capped at its max_position_embeddings and
     the stride at the window - 1 (models.perplexity.window_and_stride), so every token but the first is
     scored exactly once, each with at least one token of context."""
-    import json
 
-    import torch
+    import torch  # noqa: PLC0415 - torch, after the ISA cap
 
-    from kvcache.paged_attention import PagedAttention
-    from kvcache.quant import dtype_name, kv_cache_dtype, scales_for
-    from kvcache.storage import KVCacheSpec, PagedKVCache
-    from models.corpus import HELD_OUT_PLAY, held_out_text
-    from models.loader import load_for_serving
-    from models.perplexity import perplexity, window_and_stride
-    from models.registry import resolve_model
-    from models.tokenizer import load_tokenizer
-    from server import eval_results
-    from server.kv_forms import KV_CURVE_LENGTHS
+    from kvcache.paged_attention import PagedAttention  # noqa: PLC0415 - torch, after the ISA cap
+    from kvcache.quant import dtype_name, kv_cache_dtype, scales_for  # noqa: PLC0415 - torch, after the ISA cap
+    from kvcache.storage import KVCacheSpec, PagedKVCache  # noqa: PLC0415 - torch, after the ISA cap
+    from models.loader import load_for_serving  # noqa: PLC0415 - torch, after the ISA cap
+    from models.perplexity import perplexity, window_and_stride  # noqa: PLC0415 - torch, after the ISA cap
+    from models.registry import resolve_model  # noqa: PLC0415 - torch, after the ISA cap
+    from models.tokenizer import load_tokenizer  # noqa: PLC0415 - torch, after the ISA cap
 
     try:
         window_and_stride(args.window, args.stride)
@@ -186,19 +190,15 @@ def _parse_models(specs: list[str] | None) -> dict[str, str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import json
-    import signal
-    import time
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local clusters; keeps `serve status` working
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import ray
-    from ray import serve
+    import ray  # noqa: PLC0415 - Ray
+    from ray import serve  # noqa: PLC0415 - Ray
 
-    from server.deployment import HUB_NAMESPACE, build_app, hub_name, required_cpus
-    from server.engine.config import parse_size
-    from server.openai_api import ApiLimits
-    from server.serve_config import ServeConfig
+    from server.deployment import HUB_NAMESPACE, build_app, hub_name, required_cpus  # noqa: PLC0415 - Ray
+    from server.openai_api import ApiLimits  # noqa: PLC0415 - FastAPI, pydantic
+    from server.serve_config import ServeConfig  # noqa: PLC0415 - FastAPI, pydantic
 
     autoscaling = None
     if args.autoscale:
@@ -266,12 +266,10 @@ def _drain(app_name: str, timeout: float) -> int:
 
     Returns how many were still in flight. Reads the replicas' own reports via the metrics hub.
     """
-    import time
 
-    import ray
+    import ray  # noqa: PLC0415 - Ray
 
-    from server.deployment import HUB_NAMESPACE, hub_name
-    from server.metrics import fresh
+    from server.deployment import HUB_NAMESPACE, hub_name  # noqa: PLC0415 - Ray
 
     try:
         hub = ray.get_actor(hub_name(app_name), namespace=HUB_NAMESPACE)
@@ -295,13 +293,11 @@ def _defaults(cls) -> dict:
 
 
 def _defaults_engine() -> dict:
-    from server.engine.config import EngineConfig
 
     return _defaults(EngineConfig)
 
 
 def _add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
-    from server.engine.config import KV_CACHE_DTYPES
 
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_defaults_engine()["kv_cache_dtype"],
                    help="KV cache storage: auto (the model's dtype) or an 8-bit float (fp8_e4m3, fp8_e5m2: half "
@@ -309,7 +305,6 @@ def _add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
-    from models.native.cpu_path import DTYPES
 
     p.add_argument("--dtype", choices=DTYPES, default=_defaults_engine()["dtype"],
                    help="compute dtype; auto: the checkpoint's where this CPU computes it natively (bf16 needs "
@@ -321,7 +316,6 @@ _QUANTIZATION_HELP = ("weights as served: auto (a GGUF keeps its stored types, s
 
 
 def _add_quantization_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
-    from models.native.cpu_path import QUANTIZATIONS
 
     default = _defaults_engine()["quantization"]
     if several:
@@ -392,8 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
-    from server.openai_api import ApiLimits
-    from server.serve_config import ServeConfig
+    from server.openai_api import ApiLimits  # noqa: PLC0415 - FastAPI, pydantic
+    from server.serve_config import ServeConfig  # noqa: PLC0415 - FastAPI, pydantic
 
     sd, ld = _defaults(ServeConfig), _defaults(ApiLimits)
     ev = sub.add_parser("eval", help="perplexity on a held-out text per model and weight quantization: quality "
@@ -457,9 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _env(args: argparse.Namespace) -> int:
-    import json
-
-    from server.env_report import collect, render
+    from server.env_report import collect, render  # noqa: PLC0415 - torch, after the ISA cap
 
     report = collect()
     print(json.dumps(report, indent=2) if args.json else render(report))
@@ -467,8 +459,6 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from models.native.cpu_features import apply_isa_cap
-
     args = build_parser().parse_args(argv)
     # the engine's one start line (CPU path) shows; other libraries keep their levels
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -7,6 +7,15 @@ import platform
 import sys
 from importlib import metadata
 
+import torch
+
+from kvcache import ops
+from models.native.cpu_features import ISA_LEVELS, choose_isa, isa_cap, read_cpu_features
+from models.native.cpu_path import DTYPES, choose_cpu_path
+from models.native.probe import detect
+from models.native.toolchain import SOURCES, compiler_version, library_path
+from server.engine.compilation import inductor_cache_dir
+
 ENV_VARS = ("ATTNSERVE_CPU_ISA", "ATTNSERVE_NATIVE", "ATTNSERVE_CACHE_DIR", "ATEN_CPU_CAPABILITY",
             "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR", "CXX")
 # Flags that decide a level or a kernel; the whole list is in the report too
@@ -29,15 +38,6 @@ def _onednn_version(torch) -> str:
 
 
 def collect() -> dict:
-    import torch
-
-    from kvcache import ops
-    from models.native.cpu_features import ISA_LEVELS, choose_isa, isa_cap, read_cpu_features
-    from models.native.cpu_path import DTYPES, choose_cpu_path
-    from models.native.probe import detect
-    from models.native.toolchain import SOURCES, compiler_version, library_path
-    from server.engine.compilation import inductor_cache_dir
-
     features = read_cpu_features()
     isa = choose_isa(features)
     caps = detect("cpu")
