@@ -6,6 +6,8 @@ Systems (--systems, run one after another, each measured the same way):
   attnserve          our engine (compiled step, paged KV, continuous batching)
   attnserve_eager    the same with --enforce-eager
   attnserve_fp8      the same with an 8-bit KV cache (--kv-cache-dtype fp8_e4m3)
+  attnserve_exact    the same with exact activations for the quantized linears (--activations exact;
+                     `attnserve` runs --activations, whose auto is int8 for 4-bit codes on x86)
   attnserve_int8     the same with int8 weights (--quantization int8: per channel, round to nearest)
   attnserve_int4     the same with int4 weights (--quantization int4: groups of 32)
   vllm               vLLM's CPU build (`make peers`: .venv-peers), both cores for its OpenMP threads
@@ -57,10 +59,10 @@ from loadtests.servers import peer_isa_env  # noqa: E402
 from models import load_tokenizer, resolve_model  # noqa: E402
 from models.loader import parse_dtype, serving_dtype  # noqa: E402
 from models.native.cpu_features import machine_isa  # noqa: E402
-from models.native.cpu_path import DTYPES, QUANTIZATIONS  # noqa: E402
+from models.native.cpu_path import ACTIVATIONS, DTYPES, QUANTIZATIONS  # noqa: E402
 from server.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
-SYSTEMS = ("attnserve", "attnserve_eager", "attnserve_fp8", "attnserve_int8", "attnserve_int4", "vllm", "vllm_default", "llamacpp", "hf_generate",
+SYSTEMS = ("attnserve", "attnserve_eager", "attnserve_exact", "attnserve_fp8", "attnserve_int8", "attnserve_int4", "vllm", "vllm_default", "llamacpp", "hf_generate",
            "hf_generate_batch")
 DEFAULT_SYSTEMS = "attnserve,vllm,vllm_default,llamacpp,hf_generate,hf_generate_batch"
 STEP_BATCHES = (1, 8, 32)
@@ -134,19 +136,21 @@ def _adapter(engine: LLMEngine) -> EngineAdapter:
 
 
 def _engine_config(args, eager: bool, num_prompts: int, kv_cache_dtype: str = "auto",
-                   quantization: str | None = None) -> EngineConfig:
+                   quantization: str | None = None, activations: str | None = None) -> EngineConfig:
+    activations = activations or args.activations
     # NOTE: enforce_eager / kv_cache_dtype only when set, so this script also measures engines older than the flags
     return EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                         max_num_seqs=max(64, num_prompts), max_num_batched_tokens=args.max_num_batched_tokens,
                         quantization=quantization or args.quantization,
                         **({"enforce_eager": True} if eager else {}),
+                        **({"activations": activations} if activations != "auto" else {}),
                         **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {}))
 
 
 def bench_attnserve(args, prompts, steps, eager: bool = False, kv_cache_dtype: str = "auto",
-                    quantization: str | None = None) -> dict:
+                    quantization: str | None = None, activations: str | None = None) -> dict:
     start = time.perf_counter()
-    engine = LLMEngine(_engine_config(args, eager, len(prompts), kv_cache_dtype, quantization))
+    engine = LLMEngine(_engine_config(args, eager, len(prompts), kv_cache_dtype, quantization, activations))
     startup = time.perf_counter() - start
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm-up
@@ -370,6 +374,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: what the engine chooses on this CPU")
     ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                     help="attnserve's weights (none: as the peers read them; auto: a GGUF's as stored)")
+    ap.add_argument("--activations", default="auto", choices=ACTIVATIONS,
+                    help="attnserve's quantized linears: exact, int8 (8-bit activations), auto (the engine's choice)")
     ap.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, from {', '.join(SYSTEMS)}")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -405,7 +411,8 @@ def main(argv=None) -> dict:
             results[name] = bench_attnserve(args, prompts, steps, eager=name == "attnserve_eager",
                                             kv_cache_dtype="fp8_e4m3" if name == "attnserve_fp8" else "auto",
                                             quantization={"attnserve_int8": "int8",
-                                                          "attnserve_int4": "int4"}.get(name))
+                                                          "attnserve_int4": "int4"}.get(name),
+                                            activations="exact" if name == "attnserve_exact" else None)
             if args.startup and name == "attnserve":
                 results[name]["startup"] = startup_times(args)
         elif name in ("vllm", "vllm_default"):

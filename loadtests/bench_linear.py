@@ -20,6 +20,8 @@ and, for quantized weights (--quantized), torch's own CPU kernels against ours
   int4 torch         `_weight_int4pack_mm_for_cpu`: int4 in groups of 32, bf16 scales and zeros
   int8 ours          our kernel on the same int8 weights (`--quantization int8`)
   Q8_0 / Q4_1 ours   our kernel on a GGUF's formats: int8 / int4 codes in groups of 32, fp16 scales
+  Q8_0 / Q4_1 x8     the same weights with 8-bit activations (models/csrc/q8_linear.cpp: x rounded
+                     to int8 per block of 32, integer dot products)
 
 and prints GFLOP/s, and the milliseconds of one pass at the smallest M (a batch-1 decode step's
 linears). Medians of --repeats.
@@ -95,6 +97,10 @@ def quantized_candidates(weights: list[torch.Tensor]) -> dict:
             for q in int8]
     for name, quantized in (("int8 ours", int8), ("Q8_0 ours", q8_0), ("Q4_1 ours", [fp16(q) for q in int4])):
         layers = [QuantLinear(q, None, torch.float32) for q in quantized]
+        out[f"{name} fp32"] = (torch.float32, layers)
+        out[f"{name} bf16"] = (torch.bfloat16, layers)
+    for name, quantized in (("Q8_0 x8", q8_0), ("Q4_1 x8", [fp16(q) for q in int4])):
+        layers = [QuantLinear(q, None, torch.float32, activations="int8") for q in quantized]
         out[f"{name} fp32"] = (torch.float32, layers)
         out[f"{name} bf16"] = (torch.bfloat16, layers)
     return out

@@ -19,8 +19,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from models.native.cpu_path import CpuCapabilities, CpuPath, choose_cpu_path, resolve_dtype
+from models.native.cpu_path import INT8_KERNELS, CpuCapabilities, CpuPath, choose_cpu_path, resolve_dtype
 from models.native.libraries import load
+from models.quant_linear import QuantLinear
 
 LINEAR_PATHS = ("onednn", "panels", "torch")
 
@@ -106,8 +107,17 @@ def prepare(model, caps: CpuCapabilities, requested: str, checkpoint_dtype: str,
         path = dataclasses.replace(path, linear="quantized", weight_dtype=model.quantization)
     elif device == "cpu":
         pack_linears(model, path.linear)
-    model.cpu_path = dataclasses.replace(path, quantization=model.quantization)
+    model.cpu_path = dataclasses.replace(path, quantization=model.quantization, activations=_activations(model, caps))
     return path
+
+
+def _activations(model, caps: CpuCapabilities) -> str:
+    """exact, or the integer kernel that runs the int8-activation linears (models/quant_linear.py), with
+    "+exact" where other quantized linears (e.g. a Q4_1 file's Q8_0 ones) keep exact activations."""
+    int8 = {m.int8_activations for m in model.modules() if isinstance(m, QuantLinear)}
+    if True not in int8:
+        return "exact"
+    return INT8_KERNELS[caps.isa] + ("+exact" if False in int8 else "")
 
 
 def fits_bf16(weights) -> bool:

@@ -12,7 +12,7 @@ from models.checkpoint import read_checkpoint
 from models.cpu_linear import prepare
 from models.hf_checkpoint import HFCheckpoint
 from models.hf_config import config_from_hf
-from models.native.cpu_path import QUANTIZATIONS, resolve_dtype
+from models.native.cpu_path import QUANTIZATIONS, int8_code_bits, resolve_dtype
 from models.native.memory import release_freed_memory
 from models.native.probe import detect
 from models.parallel import shard_config, split
@@ -36,10 +36,11 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                          quantization: str = "none", shard=None) -> DecoderLM:
+                          quantization: str = "none", shard=None, int8_bits: frozenset[int] = frozenset()) -> DecoderLM:
     """`quantization`: int8 / int4 / int4_g128 quantize the decoder layers' linears (round to
     nearest); embeddings and the LM head stay unquantized. Matrices the checkpoint holds quantized
-    (a GGUF read with keep_quantized) stay so whatever it says. With a `shard` (models/parallel.py)
+    (a GGUF read with keep_quantized) stay so whatever it says; linears whose codes have `int8_bits`
+    bits take int8 activations, the rest exact ones (models/quant_linear.py). With a `shard` (models/parallel.py)
     the model holds that rank's heads, features, vocabulary rows and layers only."""
 
     full = config_from_hf(ckpt.config, ckpt.generation_config)
@@ -65,7 +66,8 @@ def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32
             state = {_local_layer(k, layers.start): v for k, v in state.items()}
             quantized = {_local_layer(k, layers.start): v for k, v in quantized.items()}
     for name, weight in quantized.items():
-        _install_quantized(model, name.removesuffix(".weight"), weight, state, dtype, device)
+        activations = "int8" if weight.bits in int8_bits else "exact"
+        _install_quantized(model, name.removesuffix(".weight"), weight, state, dtype, device, activations)
     _share_tied_table(model, quantized, dtype)
     move_to_huge_pages(model)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -122,14 +124,14 @@ def _fitting_scheme(scheme: str, in_features: int) -> str:
 
 
 def _install_quantized(model: DecoderLM, module_name: str, weight, state: dict, dtype: torch.dtype,
-                       device: str) -> None:
+                       device: str, activations: str) -> None:
 
     parent_name, _, child = module_name.rpartition(".")
     parent = model.get_submodule(parent_name)
     if isinstance(getattr(parent, child), nn.Embedding):
         setattr(parent, child, QuantEmbedding(weight, dtype, device))
     else:
-        setattr(parent, child, QuantLinear(weight, state.pop(module_name + ".bias", None), dtype, device))
+        setattr(parent, child, QuantLinear(weight, state.pop(module_name + ".bias", None), dtype, device, activations))
 
 
 def _share_tied_table(model: DecoderLM, quantized: dict, dtype: torch.dtype) -> None:
@@ -169,10 +171,11 @@ def serving_dtype(path: str | Path, dtype: str = "auto", device: str = "cpu") ->
 
 
 def load_for_serving(path: str | Path, dtype: str = "auto", device: str = "cpu",
-                     quantization: str = "auto", shard=None) -> DecoderLM:
+                     quantization: str = "auto", shard=None, activations: str = "auto") -> DecoderLM:
     """A model ready to serve here: in the dtype its CPU path computes in, with that path's
     linears swapped in (`model.cpu_path` says which; models/native/cpu_path.py chooses) and its weights
-    quantized as asked (`model.quantization`, `model.weight_bytes()`). With a `shard`, that rank's
+    quantized as asked (`model.quantization`, `model.weight_bytes()`), their activations as asked (auto:
+    models/native/cpu_path.py `int8_code_bits`). With a `shard`, that rank's
     part, read tensor by tensor (its collectives are joined in by models.parallel.parallelize)."""
 
     if quantization not in QUANTIZATIONS:
@@ -182,7 +185,8 @@ def load_for_serving(path: str | Path, dtype: str = "auto", device: str = "cpu",
     caps = detect(device)
     source = checkpoint_dtype(ckpt)
     model = model_from_checkpoint(ckpt, parse_dtype(resolve_dtype(caps, dtype, source, device)), device,
-                                  "none" if quantization in ("auto", "none") else quantization, shard)
+                                  "none" if quantization in ("auto", "none") else quantization, shard,
+                                  int8_code_bits(caps, activations))
     prepare(model, caps, dtype, source, device)
     del ckpt
     release_freed_memory()

@@ -1,7 +1,9 @@
 """Weight-only quantized linears and embeddings (codes + group scales/offsets, models/quant_formats.py).
 
-On CPU the codes stay packed (models/csrc/quant_linear.cpp): a decode step reads 4 or 8 bits per
-weight instead of 16 or 32. On CUDA, 4-bit codes in groups of 32-256 run torch's tinygemm kernel
+On CPU the codes stay packed: a decode step reads 4 or 8 bits per weight instead of 16 or 32. With
+exact activations (models/csrc/quant_linear.cpp) x stays fp32 and the result is that of the
+dequantized weights; with int8 activations (models/csrc/q8_linear.cpp) each row of x is rounded to
+int8 per block of 32 and multiplied by the codes with integer dot products, as llama.cpp does. On CUDA, 4-bit codes in groups of 32-256 run torch's tinygemm kernel
 (`_weight_int4pack_mm`: bf16 activations, scales and zeros rounded to bf16); anything else is
 dequantized for each call (correct, not fast). Without a C++ compiler on CPU the weights are
 dequantized once at load (the bytes are then not saved).
@@ -21,12 +23,16 @@ from models.quant_formats import dequantize_codes
 if TYPE_CHECKING:
     from models.quant_formats import QuantizedTensor
 
-PANELS_PER_QUAD = 4  # models/csrc/quant_linear.cpp's QUAD: panels whose rows interleave in the packed codes
+PANELS_PER_QUAD = 4  # models/csrc/quant_panels.h's QUAD: panels whose rows interleave in the packed codes
+ACTIVATIONS = ("exact", "int8")  # x as given (fp32 sums), or rounded to int8 per block (integer dot products)
 
 _LIB = torch.library.Library("attnserve", "FRAGMENT")
 _LIB.define("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias, int bits, "
             "int group_size, SymInt out_features) -> Tensor")
 _LIB.define("pack_quant(Tensor q, Tensor scale, Tensor? offset, int bits, int group_size) -> (Tensor, Tensor, Tensor)")
+_LIB.define("q8_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias, int bits, "
+            "int group_size, SymInt out_features) -> Tensor")
+_LIB.define("pack_q8(Tensor q, Tensor scale, Tensor? offset, int bits, int group_size) -> (Tensor, Tensor, Tensor)")
 
 
 @torch.library.register_fake("attnserve::quant_linear")
@@ -34,19 +40,28 @@ def _(x, codes, scales, offsets, bias, bits, group_size, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+@torch.library.register_fake("attnserve::q8_linear")
+def _(x, codes, scales, offsets, bias, bits, group_size, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 class QuantLinear(nn.Module):
-    """y = x @ dequantize(W)^T + b, W kept as codes; x and y keep x's dtype."""
+    """y = x @ dequantize(W)^T + b, W kept as codes; x and y keep x's dtype. `activations="int8"`:
+    x rounded to int8 per block of 32 first, where the packed kernel takes this weight's groups."""
 
     def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", activations: str = "exact") -> None:
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}")
         self.out_features, self.in_features = weight.shape
         self.bits, self.group_size, self.kind = weight.bits, weight.group_size, weight.kind
         self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
         self.mode = _mode(weight, torch.device(device))
+        self.int8_activations = self.mode == "packed" and activations == "int8" and int8_packable(weight)
         if self.mode == "packed":
-            codes, scales, offsets = torch.ops.attnserve.pack_quant(weight.q, weight.scale, weight.offset,
-                                                                    weight.bits, weight.group_size)
+            pack = torch.ops.attnserve.pack_q8 if self.int8_activations else torch.ops.attnserve.pack_quant
+            codes, scales, offsets = pack(weight.q, weight.scale, weight.offset, weight.bits, weight.group_size)
             self.register_buffer("codes", codes, persistent=False)  # (panels, K * W * bits / 8) uint8
             self.register_buffer("scales", scales, persistent=False)  # (panels, groups, W) fp32
             self.register_buffer("offsets", offsets, persistent=False)  # (panels, groups, W) fp32
@@ -70,8 +85,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "packed":
-            return torch.ops.attnserve.quant_linear(x, self.codes, self.scales, self.offsets, self.bias, self.bits,
-                                                    self.group_size, self.out_features)
+            op = torch.ops.attnserve.q8_linear if self.int8_activations else torch.ops.attnserve.quant_linear
+            return op(x, self.codes, self.scales, self.offsets, self.bias, self.bits, self.group_size,
+                      self.out_features)
         if self.mode == "dense":
             return F.linear(x, self.weight, self.bias)
         if self.mode == "tinygemm":
@@ -82,7 +98,8 @@ class QuantLinear(nn.Module):
         return F.linear(x, _dequantize(self.q, self.scale, self.offset, self.group_size, x.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {self.kind}, {self.mode}"
+        return f"{self.in_features} -> {self.out_features}, {self.kind}, {self.mode}" + (
+            ", int8 activations" if self.int8_activations else "")
 
 
 class QuantEmbedding(nn.Module):
@@ -98,6 +115,7 @@ class QuantEmbedding(nn.Module):
         if packed is not None:
             self.num_embeddings, self.embedding_dim = packed.out_features, packed.in_features
             self.group_size, self.kind, self.bits = packed.group_size, packed.kind, packed.bits
+            self.int8_layout = packed.int8_activations
             # NOTE: the head's own tensors, registered here too: one storage (weight_bytes counts it once)
             self.register_buffer("codes", packed.codes, persistent=False)  # (panels, K * W * bits / 8) uint8
             self.register_buffer("scales", packed.scales, persistent=False)  # (panels, groups, W)
@@ -121,8 +139,9 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.bits is not None:
-            return _dequantize(*_packed_rows(self.codes, self.scales, self.offsets, ids, self.bits, self.embedding_dim),
-                               self.group_size, self.out_dtype)  # (T, C)
+            rows = _packed_rows(self.codes, self.scales, self.offsets, ids, self.bits, self.embedding_dim,
+                                self.int8_layout)
+            return _dequantize(*rows, self.group_size, self.out_dtype)  # (T, C)
         offset = None if self.offset is None else self.offset[ids]
         return _dequantize(self.q[ids], self.scale[ids], offset, self.group_size, self.out_dtype)  # (T, C)
 
@@ -159,14 +178,23 @@ def move_to_huge_pages(model: nn.Module) -> int:
 
 
 def _packed_rows(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor, bits: int,
-                 k_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Rows `ids` of a packed matrix (models/csrc/quant_linear.cpp: panels of W features, the rows
-    of each quad of panels interleaved) as (codes, scales, offsets) of QuantizedTensor's form."""
+                 k_dim: int, int8_layout: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rows `ids` of a packed matrix (panels of W features, the rows of each quad of panels
+    interleaved; models/csrc/quant_linear.cpp's layout, or q8_linear.cpp's) as (codes, scales,
+    offsets) of QuantizedTensor's form."""
     num_panels, _, w = scales.shape
     panel, lane = ids // w, ids % w
     quad, slot = panel // PANELS_PER_QUAD, panel % PANELS_PER_QUAD
     num_quads = num_panels // PANELS_PER_QUAD
-    if bits == 8:
+    if int8_layout and bits == 8:
+        # NOTE: each lane holds 4 consecutive inputs per step
+        q = codes.view(num_quads, k_dim // 4, PANELS_PER_QUAD, w, 4)[quad, :, slot, lane]  # (T, K / 4, 4)
+        q = q.reshape(-1, k_dim).view(torch.int8)  # (T, K)
+    elif int8_layout:
+        # NOTE: per step of 8 inputs, byte t of a lane holds input t (low nibble) and t + 4 (high)
+        b = codes.view(num_quads, k_dim // 8, PANELS_PER_QUAD, w, 4)[quad, :, slot, lane]  # (T, K / 8, 4)
+        q = torch.cat([b & 15, b >> 4], dim=-1).view(torch.int8).reshape(-1, k_dim)  # (T, K)
+    elif bits == 8:
         q = codes.view(num_quads, k_dim, PANELS_PER_QUAD, w)[quad, :, slot, lane].view(torch.int8)  # (T, K)
     else:
         # NOTE: byte (i, j) of each run of 32 inputs holds input i (low nibble) and i + 16 (high)
@@ -180,6 +208,13 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | Non
                 dtype: torch.dtype) -> torch.Tensor:
 
     return dequantize_codes(q, scale, offset, group_size).to(dtype)
+
+
+def int8_packable(weight: QuantizedTensor) -> bool:
+    """Whether the 8-bit-activation kernel takes this weight: groups of whole blocks of 32 (16 for
+    8-bit codes: Q6_K), and its library builds here."""
+    blocks = weight.group_size % 32 == 0 or (weight.bits == 8 and weight.group_size == 16)
+    return blocks and available("q8_linear")
 
 
 def _mode(weight: QuantizedTensor, device: torch.device) -> str:

@@ -13,7 +13,7 @@ import time
 
 from models.corpus import HELD_OUT_PLAY, held_out_text
 from models.native.cpu_features import apply_isa_cap
-from models.native.cpu_path import DTYPES, QUANTIZATIONS
+from models.native.cpu_path import ACTIVATIONS, DTYPES, QUANTIZATIONS
 from server import eval_results
 from server.engine.config import KV_CACHE_DTYPES, EngineConfig, parse_size
 from server.kv_forms import KV_CURVE_LENGTHS
@@ -102,7 +102,7 @@ def _generate(args: argparse.Namespace) -> int:
 # kv_bytes_per_token is a token of every layer; kv_bytes_per_token_at per token of a sequence of 1k / 8k / 32k
 # tokens in 16-token blocks (server/kv_forms.py), less than that with sliding-window layers
 EVAL_KEYS = ("model", "attention", "kv_heads", "kv_cache_dtype", "kv_bytes_per_token", "kv_bytes_per_token_at",
-             "quantization", "weight_bytes", "perplexity")
+             "quantization", "activations", "weight_bytes", "perplexity")
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -133,7 +133,7 @@ def _eval(args: argparse.Namespace) -> int:
     runs = [(name, q) for name in args.model or ["default"] for q in dict.fromkeys(args.quantization)]
     for name, quantization in runs:
         path = resolve_model(name)
-        model = load_for_serving(path, args.dtype, quantization=quantization)
+        model = load_for_serving(path, args.dtype, quantization=quantization, activations=args.activations)
         cfg = model.config
         tokenizer = load_tokenizer(path)
         ids = tokenizer(text)["input_ids"]
@@ -156,8 +156,10 @@ def _eval(args: argparse.Namespace) -> int:
         rows.append({"model": name, "attention": cfg.attention_kind, "kv_heads": cfg.num_kv_heads,
                      "kv_cache_dtype": dtype_name(kv_dtype), "kv_bytes_per_token": spec.bytes_per_token,
                      "kv_bytes_per_token_at": {str(n): spec.bytes_for(n) / n for n in KV_CURVE_LENGTHS},
-                     "quantization": model.quantization, "weight_bytes": model.weight_bytes(), "perplexity": ppl})
-        print(f"{name} ({model.quantization}): {len(ids)} tokens, perplexity {rows[-1]['perplexity']:.4f}",
+                     "quantization": model.quantization, "activations": model.cpu_path.activations,
+                     "weight_bytes": model.weight_bytes(), "perplexity": ppl})
+        print(f"{name} ({model.quantization}, activations {model.cpu_path.activations}): {len(ids)} tokens, "
+              f"perplexity {rows[-1]['perplexity']:.4f}",
               file=sys.stderr, flush=True)
         compute_dtype = model.cpu_path.dtype
         del model, cache  # one model's weights at a time
@@ -165,12 +167,12 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"text: {source}; window {args.window}, stride {args.stride} (at most the model's positions, and the "
           f"window - 1), dtype {compute_dtype}")
     print(f"{'model':40} {'attention':9} {'kv heads':>8} {'kv dtype':>9} {'kv B/token':>10} {'at 8k':>9} "
-          f"{'at 32k':>9} {'weights':>12} {'weight bytes':>13} {'perplexity':>11}")
+          f"{'at 32k':>9} {'weights':>12} {'activations':>16} {'weight bytes':>13} {'perplexity':>11}")
     for r in rows:
         at = r["kv_bytes_per_token_at"]
         print(f"{r['model']:40} {r['attention']:9} {r['kv_heads']:8d} {r['kv_cache_dtype']:>9} "
               f"{r['kv_bytes_per_token']:10d} {at['8192']:9.0f} {at['32768']:9.0f} {r['quantization']:>12} "
-              f"{r['weight_bytes']:13d} {r['perplexity']:11.4f}")
+              f"{r['activations']:>16} {r['weight_bytes']:13d} {r['perplexity']:11.4f}")
     rows = [{k: r[k] for k in EVAL_KEYS} for r in rows]
     print(f"rows kept for the dashboard in {eval_results.save(rows)}")
     if args.json:
@@ -326,11 +328,19 @@ def _add_quantization_arg(p: argparse.ArgumentParser, several: bool = False) -> 
         p.add_argument("--quantization", choices=QUANTIZATIONS, default=default, help=_QUANTIZATION_HELP)
 
 
+def _add_activations_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--activations", choices=ACTIVATIONS, default=_defaults_engine()["activations"],
+                   help="the quantized linears' activations: exact (fp32: the dequantized weights' result), int8 "
+                        "(each row rounded to int8 per block of 32, integer dot products, as llama.cpp), or auto "
+                        "(int8 where measured faster and within the perplexity bounds; `attnserve env` shows it)")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d = _defaults_engine()
     _add_dtype_arg(p)
     _add_kv_dtype_arg(p)
     _add_quantization_arg(p)
+    _add_activations_arg(p)
     p.add_argument("--memory-budget", default=d["memory_budget"],
                    help="bytes for weights + KV cache per engine, e.g. 1.5GiB: with --kv-cache-memory auto the KV "
                         "pool is this minus the weights as served (quantized weights leave more for KV blocks)")
@@ -397,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dtype_arg(ev)
     _add_kv_dtype_arg(ev)
     _add_quantization_arg(ev, several=True)
+    _add_activations_arg(ev)
     ev.add_argument("--window", type=int, default=1024,
                     help="tokens per window (at least 2; capped at the model's max_position_embeddings)")
     ev.add_argument("--stride", type=int, default=512,

@@ -11,7 +11,7 @@ import torch
 
 from kvcache import ops
 from models.native.cpu_features import ISA_LEVELS, choose_isa, isa_cap, read_cpu_features
-from models.native.cpu_path import DTYPES, choose_cpu_path
+from models.native.cpu_path import ACTIVATIONS, DTYPES, INT8_KERNELS, choose_cpu_path, int8_code_bits
 from models.native.probe import detect
 from models.native.toolchain import SOURCES, compiler_version, library_path
 from server.engine.compilation import inductor_cache_dir
@@ -51,6 +51,10 @@ def collect() -> dict:
     paths = {f"{source} checkpoint, --dtype {dtype}": choose_cpu_path(
         caps, dtype, source, source == "bfloat16", torch.get_num_threads()).describe()
         for source in ("bfloat16", "float32") for dtype in DTYPES}
+    # what the quantized linears' activations would be (a GGUF such as the default model's Q4_1)
+    paths |= {f"quantized checkpoint, --activations {mode}": ", ".join(
+        f"{bits}-bit codes {INT8_KERNELS[isa] if bits in int8_code_bits(caps, mode) else 'exact'}"
+        for bits in (4, 8)) for mode in ACTIVATIONS}
     return {
         "attnserve": _version("attnserve"),
         "python": sys.version.split()[0],

@@ -7,10 +7,11 @@ import os
 import tempfile
 from pathlib import Path
 
-# a later run of the same model, KV dtype and weight format replaces the row
-KEY = ("model", "kv_cache_dtype", "quantization")
-# rows written before weights could be quantized lack the field: their weights were served dequantized
-_MISSING = {"quantization": "none"}
+# a later run of the same model, KV dtype, weight format and activations replaces the row
+KEY = ("model", "kv_cache_dtype", "quantization", "activations")
+# rows written before weights could be quantized lack the field: their weights were served dequantized;
+# before activations could be int8, they were exact
+_MISSING = {"quantization": "none", "activations": "exact"}
 
 
 def _key(row: dict) -> tuple:

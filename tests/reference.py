@@ -44,6 +44,21 @@ def assert_greedy_close(ours: list[int], our_tops: list[dict[int, float]], their
         return
 
 
+def first_divergences(refs, gots) -> tuple[list[int], list[float]]:
+    """Per pair of greedy outputs (with logprobs): how many leading tokens agree, and at each first
+    divergence the reference's logprob gap between its token and the other's, which must be one of the
+    reference's top candidates (a near-tie flipped, not a broken path)."""
+    leading, gaps = [], []
+    for ref, got in zip(refs, gots, strict=True):
+        i = next((i for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b), None)
+        leading.append(len(ref.token_ids) if i is None else i)
+        if i is not None:
+            top = dict(ref.logprobs[i].top)
+            assert got.token_ids[i] in top, (i, top)  # a candidate the reference weighed
+            gaps.append(top[ref.token_ids[i]] - top[got.token_ids[i]])
+    return leading, gaps
+
+
 @torch.no_grad()
 def dense_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
     """Our model re-run over the whole sequence each step: no cache, nothing to get wrong."""

@@ -24,7 +24,7 @@ from models.native.cpu_features import (
     parse_cpuinfo,
     torch_isa_env,
 )
-from models.native.cpu_path import DTYPES, CpuCapabilities, choose_cpu_path, resolve_dtype
+from models.native.cpu_path import DTYPES, INT8_KERNELS, CpuCapabilities, choose_cpu_path, int8_code_bits, resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,6 +133,28 @@ def test_path_choice(caps, requested, source, fits, expected):
     assert f"linear={path.linear}" in path.describe() and f"isa={caps.isa}" in path.describe()
     if path.note:
         assert "without bf16 arithmetic" in path.note and path.note in path.describe()
+
+
+# (capabilities, --activations) -> the code widths whose linears take int8 activations
+ACTIVATION_CHOICES = [
+    (ZEN4, "auto", {4}), (AVX512, "auto", {4}), (AVX2, "auto", {4}), (GENERIC, "auto", set()),
+    (ZEN4, "int8", {4, 8}), (GENERIC, "int8", {4, 8}), (ZEN4, "exact", set()), (AVX2, "exact", set()),
+]
+
+
+@pytest.mark.parametrize("caps,requested,expected", ACTIVATION_CHOICES)
+def test_int8_activations_choice(caps, requested, expected):
+    """auto: int8 for 4-bit codes where an integer dot product is measured faster (no 8-bit codes:
+    no faster at batch 1), exact on the portable build; an explicit switch holds everywhere."""
+    assert int8_code_bits(caps, requested) == frozenset(expected)
+
+
+def test_int8_activations_reject_unknown_modes_and_name_each_levels_kernel():
+    with pytest.raises(ValueError, match="activations must be one of auto, exact, int8"):
+        int8_code_bits(ZEN4, "fp8")
+    assert INT8_KERNELS == {"avx512_bf16": "int8-vnni", "avx512": "int8-avx512", "avx2": "int8-avx2",
+                            "generic": "int8-portable"}
+    assert set(INT8_KERNELS) == set(ISA_LEVELS)
 
 
 def test_no_choice_runs_what_the_machine_refuses():
@@ -275,7 +297,9 @@ def test_env_prints_the_chosen_paths():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     for line in ("CPU: ", "ISA level: CPU ", "torch ", "oneDNN ", "compiler: ", "kernels: attention native-",
-                 "inductor cache: ", "paths chosen here:", "bfloat16 checkpoint, --dtype auto: device=cpu isa="):
+                 "inductor cache: ", "paths chosen here:", "bfloat16 checkpoint, --dtype auto: device=cpu isa=",
+                 "quantized checkpoint, --activations exact: 4-bit codes exact, 8-bit codes exact",
+                 "quantized checkpoint, --activations int8: 4-bit codes int8-"):
         assert line in out, line
     assert cpu_features.read_cpu_features().model in out
 

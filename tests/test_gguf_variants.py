@@ -310,7 +310,7 @@ def test_greedy_matches_hf(arch, kind, sources, ggufs):
     from tests.reference import dense_greedy, hf_greedy, load_hf
 
     out = ggufs(arch, kind)
-    model = load_for_serving(out, dtype="float32", quantization="auto")
+    model = load_for_serving(out, dtype="float32", quantization="auto", activations="exact")
     assert (model.quantization == "none") == (kind == "F32")
     hf = load_hf(reference_dir(out))
     source_hf = load_hf(sources[arch]) if kind == "F32" and not LOST[arch] else None

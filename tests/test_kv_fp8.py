@@ -14,6 +14,7 @@ from kvcache.quant import HEADROOM, KVScales, calibrate, calibration_ids, dequan
 from kvcache.storage import KVCacheSpec, PagedKVCache
 from models.attention import DenseAttention, reference_attention
 from server.engine import EngineConfig, LLMEngine, SamplingParams
+from tests.reference import first_divergences
 
 pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
 
@@ -225,14 +226,7 @@ def test_default_model_greedy_tokens_agree_with_a_bf16_cache(default_model_dir):
         assert e.kv.num_used_blocks == 0
     report = {}
     for kv in ("fp8_e4m3", "fp8_e5m2"):
-        leading, gaps = [], []
-        for ref, got in zip(runs["auto"], runs[kv]):
-            i = next((i for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b), None)
-            leading.append(len(ref.token_ids) if i is None else i)
-            if i is not None:
-                top = dict(ref.logprobs[i].top)
-                assert got.token_ids[i] in top, (kv, i, top)  # a candidate the bf16 run weighed
-                gaps.append(top[ref.token_ids[i]] - top[got.token_ids[i]])
+        leading, gaps = first_divergences(runs["auto"], runs[kv])
         report[kv] = {"leading": leading, "largest_gap": max(gaps, default=0.0)}
         assert max(gaps, default=0.0) <= FLIP_GAP, report
         assert sum(leading) >= MIN_AGREEMENT, report

@@ -169,7 +169,7 @@ EXPECTED_KINDS = {  # module -> kind: fused projections concatenate their parts'
 def test_mixed_gguf_loads_quantized_and_answers(mixed_gguf):
     assert not (mixed_gguf / "config.json").exists()  # the directory reads as its single .gguf
     assert available("quant_linear")
-    model = load_for_serving(mixed_gguf, dtype="float32", quantization="auto")
+    model = load_for_serving(mixed_gguf, dtype="float32", quantization="auto", activations="exact")
     formats = {t.name for t in MIXED.values()}
     assert len(formats) == 8 and set(model.quantization.split("+")) == formats
     assert model.cpu_path.quantization == model.quantization
@@ -194,7 +194,7 @@ def test_mixed_gguf_loads_quantized_and_answers(mixed_gguf):
     assert torch.allclose(logits[0], logits[1], atol=1e-4) and torch.allclose(logits[0], logits[2], atol=1e-4)
 
     engine = LLMEngine(EngineConfig(model=str(mixed_gguf), quantization="auto", dtype="float32", num_blocks=64,
-                                    block_size=4, enforce_eager=True))
+                                    block_size=4, enforce_eager=True, activations="exact"))
     assert engine.info.quantization == model.quantization and engine.weight_bytes == model.weight_bytes()
     tok = engine.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
@@ -241,16 +241,40 @@ CASES = [("gguf", "native", "float32"), ("gguf", "compiled", "float32"), ("gguf"
          ("llama-int4", "native", "float32"), ("llama-int4", "eager", "float32")]
 
 
+def parity_engine(path: Path, quantization: str, dtype: str, step: str, activations: str, **kw) -> LLMEngine:
+    """A pool too small for 10 requests and a token budget below the prompts, unless `kw` says otherwise."""
+    kw = {"num_blocks": 48, "max_num_batched_tokens": 24, **kw}
+    return LLMEngine(EngineConfig(
+        model=str(path), quantization=quantization, dtype=dtype, block_size=4, max_num_seqs=10,
+        enforce_eager=step == "eager", native_decoder=step == "native", activations=activations, **kw))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_activations_give_each_request_the_tokens_it_gets_alone(dtype, sources):
+    """8-bit activations (--activations int8) on the mixed GGUF: batching, preemption, chunked prefill
+    and prefix hits leave every greedy token as the request gets it alone in an ample pool."""
+    path, _, _ = sources("gguf")
+    engine = parity_engine(path, "auto", dtype, "native", "int8")
+    assert engine.cpu_path.activations.startswith("int8-") and "+exact" not in engine.cpu_path.activations
+    tok = engine.tokenizer
+    prompts = [tok(CORPUS)["input_ids"][:30] + t for t in mixed_prompts(tok, 10, seed=6, min_len=5, max_len=60)]
+    batched = [list(g[0].token_ids) for g in engine.generate(prompts, GREEDY)]
+    s = engine.scheduler
+    assert s.num_preemptions > 0 and s.num_partial_prefills > 0 and s.num_prefix_hits > 0
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    alone = parity_engine(path, "auto", dtype, "native", "int8", num_blocks=256, max_num_batched_tokens=512,
+                          enable_prefix_caching=False)
+    assert [[list(alone.generate([p], GREEDY)[0][0].token_ids)] for p in prompts] == [[b] for b in batched]
+
+
 @pytest.mark.parametrize("source, step, dtype", CASES, ids=["-".join(c) for c in CASES])
 def test_greedy_parity(source, step, dtype, sources, oracle):
     """One engine per case, loading the checkpoint itself: 10 requests at once sharing a 30-token prefix,
     a pool too small for them (preemption), a token budget below the prompts (chunked prefill); then
-    one prompt twice (prefix-cache hits on all but its last block)."""
+    one prompt twice (prefix-cache hits on all but its last block). Exact activations: HF's arithmetic."""
     path, quantization, _ = sources(source)
     expected = oracle(source, dtype)
-    engine = LLMEngine(EngineConfig(
-        model=str(path), quantization=quantization, dtype=dtype, num_blocks=48, block_size=4,
-        max_num_batched_tokens=24, max_num_seqs=10, enforce_eager=step == "eager", native_decoder=step == "native"))
+    engine = parity_engine(path, quantization, dtype, step, "exact")
     assert engine.model.quantization != "none" and engine.info.quantization == engine.model.quantization
     if quantization != "auto":
         assert engine.model.quantization == quantize_rtn(torch.zeros(1, 64), quantization).kind

@@ -175,7 +175,8 @@ def test_eval_rows_carry_the_weight_format_and_bytes(tiny_checkpoints, tmp_path,
     table = capsys.readouterr().out
     header = next(line for line in table.splitlines() if line.startswith("model"))
     assert "weights" in header and "weight bytes" in header and "perplexity" in header
-    assert f" none {row['weight_bytes']:13d} " in table
+    assert row["activations"] == "exact"  # nothing quantized
+    assert f" none {'exact':>16} {row['weight_bytes']:13d} " in table
     assert eval_results.load() == [row]
 
 

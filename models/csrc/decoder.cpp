@@ -29,6 +29,7 @@ struct Linear {
   at::Tensor codes, scales, offsets;
   std::optional<at::Tensor> bias;
   int64_t bits, group_size, out_features;
+  bool int8_activations;  // packed for models/csrc/q8_linear.cpp, else quant_linear.cpp
 };
 
 struct Layer {
@@ -36,13 +37,21 @@ struct Layer {
   Linear qkv, o, gate_up, down;
 };
 
+using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, int64_t, int64_t, c10::SymInt);
+
+c10::TypedOperatorHandle<LinearFn> linear_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<LinearFn>();
+}
+
 at::Tensor quant_linear(const at::Tensor& x, const Linear& w) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("attnserve::quant_linear", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const std::optional<at::Tensor>&, int64_t, int64_t, c10::SymInt)>();
-  return op.call(x, w.codes, w.scales, w.offsets, w.bias, w.bits, w.group_size, c10::SymInt(w.out_features));
+  // NOTE: each looked up on its first use, when the library of those linears has been loaded
+  if (w.int8_activations) {
+    static const auto int8 = linear_op("attnserve::q8_linear");
+    return int8.call(x, w.codes, w.scales, w.offsets, w.bias, w.bits, w.group_size, c10::SymInt(w.out_features));
+  }
+  static const auto exact = linear_op("attnserve::quant_linear");
+  return exact.call(x, w.codes, w.scales, w.offsets, w.bias, w.bits, w.group_size, c10::SymInt(w.out_features));
 }
 
 // A tensor-parallel rank's partial sums, summed over its group through shared memory (models/shm_comm.py)
@@ -154,16 +163,16 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   // linears: 4 x (codes, scales, offsets, bias) for qkv, o, gate_up, down; an empty bias means none.
-  // sizes: 4 x (bits, group_size, out_features).
+  // sizes: 4 x (bits, group_size, out_features, int8 activations 0/1).
   void add_layer(at::Tensor attn_norm, at::Tensor mlp_norm, std::vector<at::Tensor> linears,
                  std::vector<int64_t> sizes) {
-    TORCH_CHECK(linears.size() == 16 && sizes.size() == 12, "4 linears: 4 tensors and 3 sizes each");
+    TORCH_CHECK(linears.size() == 16 && sizes.size() == 16, "4 linears: 4 tensors and 4 sizes each");
     Linear w[4];
     for (int i = 0; i < 4; ++i) {
       const at::Tensor& bias = linears[4 * i + 3];
       w[i] = {linears[4 * i], linears[4 * i + 1], linears[4 * i + 2],
-              bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt, sizes[3 * i], sizes[3 * i + 1],
-              sizes[3 * i + 2]};
+              bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt, sizes[4 * i], sizes[4 * i + 1],
+              sizes[4 * i + 2], sizes[4 * i + 3] != 0};
     }
     const int64_t q = num_heads_ * head_dim_, kv = num_kv_heads_ * head_dim_;
     TORCH_CHECK(w[0].out_features == q + 2 * kv && w[2].out_features == 2 * intermediate_size_ &&

@@ -20,21 +20,11 @@
 //   bf16 activations on an AVX512-BF16 build the dequantized panels are rounded to bf16 pairs and
 //   multiplied with vdpbf16ps (twice fp32's rate), as a bf16 model's own weights are.
 #include <torch/library.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <c10/util/Half.h>
 
-#include <algorithm>
 #include <array>
-#include <cstdint>
-#include <cstring>
-#include <optional>
-#include <tuple>
 #include <vector>
 
-#include "simd.h"
+#include "quant_panels.h"
 
 namespace {
 
@@ -44,12 +34,6 @@ constexpr int64_t ROW_CHUNK = 64;  // x rows per dequantized pair of panels (the
 constexpr int64_t DIRECT_MAX_M = 8;  // up to this many rows of x: code tiles (measured: AVX2 and AVX-512); above: dequantize
 
 constexpr int64_t BF16_DOT_MIN_M = DIRECT_MAX_M;  // bf16 x on AVX512-BF16: bf16 tiles above this many rows (measured: dequantizing costs as much as 8-16 rows of code tiles)
-
-inline vf load_f(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 // NOTE: intrinsics where the ISA has a byte -> int32 widening load: GCC scalarizes
 // __builtin_convertvector from byte vectors (about 10x slower at decode)
@@ -89,12 +73,7 @@ inline void widen_u4(const uint8_t* p, vf& lo, vf& hi) {
   hi = __builtin_convertvector(i >> 4, vf);
 }
 
-constexpr int64_t QUAD = 4;  // panels whose rows interleave
 constexpr int64_t ROW_STRIDE = QUAD * W;  // bytes from one row of a panel's codes to its next
-
-// Where row 0 of panel p's codes lies; its row r (W bytes: k = r for 8 bits, a pair of nibble
-// rows for 4) is r * ROW_STRIDE on. The one statement of the layout: packing and kernels share it.
-inline int64_t panel_offset(int64_t p, int64_t panel_bytes) { return (p / QUAD) * QUAD * panel_bytes + (p % QUAD) * W; }
 
 struct Packed {
   const uint8_t* codes;
@@ -102,47 +81,8 @@ struct Packed {
   const void* offsets;  // as scales, or nullptr (symmetric)
   int64_t k_dim, group, groups, panel_bytes;  // panel_bytes: one panel's codes
 
-  const uint8_t* panel(int64_t p) const { return codes + panel_offset(p, panel_bytes); }
+  const uint8_t* panel(int64_t p) const { return codes + panel_offset(p, panel_bytes, W); }
 };
-
-// A format: the codes' width, fp16 scales (and offsets), whether there are offsets
-template <int BITS_, bool HALF_, bool OFFSET_>
-struct Fmt {
-  static constexpr int BITS = BITS_;
-  static constexpr bool HALF = HALF_, OFFSET = OFFSET_;
-};
-
-// W scales (or offsets) of one panel and group
-template <bool HALF>
-inline vf load_scales(const void* base, int64_t at) {
-  if constexpr (!HALF) {
-    return load_f(static_cast<const float*>(base) + at);
-  } else {
-    const uint16_t* p = static_cast<const uint16_t*>(base) + at;
-#if defined(__AVX512F__)
-    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__AVX2__)
-    return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-    vf v;
-    for (int j = 0; j < W; ++j) v[j] = float(c10::Half(p[j], c10::Half::from_bits()));
-    return v;
-#endif
-  }
-}
-
-// R rows of accumulators -> y[r, n0 .. n0 + NP * W), features past n dropped (padding panels).
-template <int R, int NP>
-inline void store_tile(const vf (&acc)[R][NP], float* y, int64_t n, int64_t n0, const float* bias) {
-  alignas(64) float row[NP * W];
-  const int64_t width = std::min<int64_t>(NP * W, n - n0);
-  for (int r = 0; r < R; ++r) {
-    for (int p = 0; p < NP; ++p) std::memcpy(row + p * W, &acc[r][p], sizeof(vf));
-    if (bias != nullptr)
-      for (int64_t j = 0; j < width; ++j) row[j] += bias[n0 + j];
-    std::memcpy(y + r * n + n0, row, width * sizeof(float));
-  }
-}
 
 // Code tile: y[r, panel p0 + p] for R rows of x, NP panels, straight from the codes.
 // xs: (rows, groups) sums of x over each group (the offsets' factor).
@@ -307,17 +247,6 @@ constexpr std::array<CodeTileFn, sizeof...(R)> code_tiles(std::integer_sequence<
   return {(R == 0 ? &code_tile<F, 1, 4> : &code_tile<F, R + 1, 2>)...};
 }
 
-// Rows of x in blocks as even as they go (no thin tail with few chains)
-template <typename F>
-inline void row_blocks(int64_t rows, int max_rows, F&& f) {
-  const int64_t blocks = (rows + max_rows - 1) / max_rows;
-  for (int64_t b = 0, r = 0; b < blocks; ++b) {
-    const int nr = int(rows / blocks + (b < rows % blocks));
-    f(r, nr);
-    r += nr;
-  }
-}
-
 // Quads [u0, u1) of the output. x: fp32 rows (the code tiles, fp32 tiles); xb: the same rows in
 // bf16 for bf16 tiles, or nullptr.
 template <typename F>
@@ -385,85 +314,31 @@ RunFn format_runner(int64_t bits, bool half, bool offsets) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& q, const at::Tensor& scale,
                                                     const std::optional<at::Tensor>& offset, int64_t bits,
                                                     int64_t group) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "codes must be int8 (out_features, in_features)");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  const int64_t n = q.size(0), k_dim = q.size(1);
-  TORCH_CHECK(group > 0 && k_dim % group == 0, "in_features must be a multiple of the group size");
   TORCH_CHECK(bits == 8 || group % 32 == 0, "4-bit codes need groups of a multiple of 32");
   TORCH_CHECK(group % 2 == 0, "groups must be even (the code tiles take k in pairs)");
-  const int64_t groups = k_dim / group;
-  TORCH_CHECK(bits == 8 || q.numel() == 0 || (q.min().item<int8_t>() >= 0 && q.max().item<int8_t>() < 16),
-              "4-bit codes must be in 0..15");
-  TORCH_CHECK(scale.sizes() == at::IntArrayRef({n, groups}), "scale must be (out_features, in_features / group)");
-  const at::Tensor qc = q.contiguous(), sc = scale.to(at::kFloat).contiguous();
-  const at::Tensor oc = offset.has_value() ? offset->to(at::kFloat).contiguous() : at::zeros({n, k_dim / group}, sc.options());
-  TORCH_CHECK(oc.sizes() == sc.sizes(), "offset must be shaped like scale");
-  // NOTE: whole quads of panels, zero padded: no tile ever reads past the tensor
-  const int64_t panels = (n + QUAD * W - 1) / (QUAD * W) * QUAD, panel_bytes = k_dim * W * bits / 8;
-  at::Tensor codes = at::zeros({panels, panel_bytes}, q.options().dtype(at::kByte));
-  at::Tensor scales = at::zeros({panels, groups, W}, sc.options()), offsets = at::zeros({panels, groups, W}, sc.options());
-  const int8_t* src = qc.data_ptr<int8_t>();
-  const float *s_src = sc.data_ptr<float>(), *o_src = oc.data_ptr<float>();
-  uint8_t* dst = codes.data_ptr<uint8_t>();
-  float *s_dst = scales.data_ptr<float>(), *o_dst = offsets.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t j = 0; j < W && p * W + j < n; ++j) {
-        const int8_t* row = src + (p * W + j) * k_dim;
-        uint8_t* panel = dst + panel_offset(p, panel_bytes);
-        for (int64_t k = 0; k < k_dim; ++k) {
-          if (bits == 8) {
-            panel[k * ROW_STRIDE + j] = uint8_t(row[k]);
-          } else {
-            const int64_t c = k / 32, i = k % 32;
-            panel[(c * 16 + i % 16) * ROW_STRIDE + j] |= uint8_t(row[k] << (i < 16 ? 0 : 4));
-          }
-        }
-        for (int64_t g = 0; g < groups; ++g) {
-          s_dst[(p * groups + g) * W + j] = s_src[(p * W + j) * groups + g];
-          o_dst[(p * groups + g) * W + j] = o_src[(p * W + j) * groups + g];
-        }
+  return pack_panels(q, scale, offset, bits, group, [bits](uint8_t* dst, int64_t p, int64_t panel_bytes, int64_t j,
+                                                           const int8_t* row, int64_t k_dim) {
+    uint8_t* panel = dst + panel_offset(p, panel_bytes, W);
+    for (int64_t k = 0; k < k_dim; ++k) {
+      if (bits == 8) {
+        panel[k * ROW_STRIDE + j] = uint8_t(row[k]);
+      } else {
+        const int64_t c = k / 32, i = k % 32;
+        panel[(c * 16 + i % 16) * ROW_STRIDE + j] |= uint8_t(row[k] << (i < 16 ? 0 : 4));
       }
+    }
   });
-  // NOTE: fp16 only where it is exact, so packing never changes a weight
-  const auto exact_half = [](const at::Tensor& t) { return t.to(at::kHalf).to(at::kFloat).eq(t).all().item<bool>(); };
-  const bool has_offsets = offset.has_value() && offsets.ne(0).any().item<bool>();
-  if (exact_half(scales) && (!has_offsets || exact_half(offsets))) {
-    scales = scales.to(at::kHalf);
-    offsets = offsets.to(at::kHalf);
-  }
-  return {codes, scales, has_offsets ? offsets : at::empty({0}, scales.options())};
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
                   const std::optional<at::Tensor>& bias, int64_t bits, int64_t group, int64_t out_features) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(0) % QUAD == 0,
-              "codes must be packed by this library");
+  const auto [m, groups] = check_packed(x, codes, scales, offsets, bits, group, out_features);
+  const int64_t k_dim = x.size(-1);
   const bool half = scales.scalar_type() == at::kHalf, has_offsets = offsets.numel() > 0;
-  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == W && scales.is_contiguous() &&
-                  (half || scales.scalar_type() == at::kFloat) &&
-                  (!has_offsets || (offsets.sizes() == scales.sizes() && offsets.is_contiguous() &&
-                                    offsets.scalar_type() == scales.scalar_type())),
-              "scales and offsets must be packed by this library (panels of ", W, " features)");
-  const int64_t panels = codes.size(0), k_dim = x.size(-1), groups = scales.size(1);
-  TORCH_CHECK(codes.size(1) == k_dim * W * bits / 8 && groups * group == k_dim && scales.size(0) == panels,
-              "x has ", k_dim, " features; the weights do not");
-  TORCH_CHECK(out_features > panels * W - QUAD * W && out_features <= panels * W,
-              "out_features does not match the panels");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
-  const int64_t m = x.numel() / std::max<int64_t>(k_dim, 1);
   // NOTE: bf16 x, many rows, an AVX512-BF16 build: bf16 tiles (k_dim is even: groups are)
   const bool bf16_dot = ATTNSERVE_BF16_DOT && x.scalar_type() == at::kBFloat16 && m > BF16_DOT_MIN_M;
   const at::Tensor xc = (bf16_dot ? x : x.to(at::kFloat)).reshape({-1, k_dim}).contiguous();  // (M, K)
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out_features;
-  at::Tensor y = at::empty({m, out_features}, xc.options().dtype(at::kFloat));
-  std::optional<at::Tensor> b;
-  if (bias.has_value()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b->numel() == out_features, "bias must have out_features elements");
-  }
+  const LinearOut out = linear_out(x, m, out_features, bias);
   if (m > 0) {
     const float* xp = bf16_dot ? nullptr : xc.data_ptr<float>();
     const uint16_t* xbp = bf16_dot ? reinterpret_cast<const uint16_t*>(xc.data_ptr()) : nullptr;
@@ -479,15 +354,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     }
     const Packed w{codes.data_ptr<uint8_t>(), scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr, k_dim,
                    group, groups, codes.size(1)};
-    float* yp = y.data_ptr<float>();
-    const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
+    float* yp = out.y.data_ptr<float>();
+    const float* bp = out.bias_ptr();
     // NOTE: whole quads of panels per task: no tile straddles two threads
     const auto fn = format_runner(bits, half, has_offsets);
-    at::parallel_for(0, panels / QUAD, 1, [&](int64_t u0, int64_t u1) {
+    at::parallel_for(0, codes.size(0) / QUAD, 1, [&](int64_t u0, int64_t u1) {
       fn(w, xp, xbp, xs.data(), m, yp, out_features, bp, u0, u1);
     });
   }
-  return y.to(x.scalar_type()).view(shape);
+  return out.result(x);
 }
 
 }  // namespace

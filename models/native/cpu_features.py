@@ -18,11 +18,12 @@ ISA_LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")  # each includes the o
 ISA_CAPS = ("auto", *ISA_LEVELS)
 CAP_ENV = "ATTNSERVE_CPU_ISA"
 
-# The /proc/cpuinfo flags each x86 level adds to the one below (x86-64-v3 and -v4, then BF16).
+# The /proc/cpuinfo flags each x86 level adds to the one below (x86-64-v3 and -v4, then BF16 with the
+# VNNI every BF16 CPU has: Cooper Lake, Sapphire Rapids and later, Zen 4 and later).
 _LEVEL_FLAGS = {
     "avx2": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}),
     "avx512": frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
-    "avx512_bf16": frozenset({"avx512_bf16"}),
+    "avx512_bf16": frozenset({"avx512_bf16", "avx512_vnni"}),
 }
 # What torch's own kernels (ATEN_CPU_CAPABILITY) and oneDNN (ONEDNN_MAX_CPU_ISA) may use per level.
 _TORCH_CAPABILITY = {"generic": "default", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}

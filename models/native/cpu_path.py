@@ -24,6 +24,16 @@ DTYPES = ("auto", "float32", "bfloat16")
 # weight-only quantization (models/quantize.py): auto keeps a GGUF's types as stored, none
 # dequantizes; int8 per output channel, int4 group-wise (groups of 32, or 128)
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4_g128")
+# activations of the quantized linears: exact (fp32 sums: the dequantized weights' result), int8
+# (each row rounded to int8 per block of 32, integer dot products: models/csrc/q8_linear.cpp), or auto
+ACTIVATIONS = ("auto", "exact", "int8")
+# Where auto means int8: per level, the code widths (4, 8 bits) measured faster than exact at every M
+# and within the perplexity bounds (docs/benchmarks.md, "8-bit activations"). 4-bit codes gain 1.1-1.8x;
+# 8-bit ones are within the bound but no faster at M=1 (VNNI: even, AVX2: 0.8x), so they stay exact.
+# The portable build has no integer dot product: exact.
+INT8_BY_DEFAULT = {level: frozenset({4}) for level in ("avx512_bf16", "avx512", "avx2")}
+# What runs the integer dot products at each level (`CpuPath.activations`)
+INT8_KERNELS = {"avx512_bf16": "int8-vnni", "avx512": "int8-avx512", "avx2": "int8-avx2", "generic": "int8-portable"}
 
 
 @dataclass(frozen=True)
@@ -50,9 +60,10 @@ class CpuPath:
     num_threads: int
     note: str = ""  # why a slower choice was honoured
     quantization: str = "none"  # the quantized linears' formats (models/quant_linear.py), beside `linear`
+    activations: str = "exact"  # the quantized linears' activations: exact, or INT8_KERNELS' name
 
     def describe(self) -> str:
-        quant = "" if self.quantization == "none" else f" quantized={self.quantization}"
+        quant = "" if self.quantization == "none" else f" quantized={self.quantization} activations={self.activations}"
         text = (f"device={self.device} isa={self.isa} dtype={self.dtype} weights={self.weight_dtype} "
                 f"linear={self.linear}{quant} attention={self.attention} threads={self.num_threads}")
         return f"{text} ({self.note})" if self.note else text
@@ -70,6 +81,16 @@ def resolve_dtype(caps: CpuCapabilities, requested: str, checkpoint_dtype: str, 
     if checkpoint_dtype == "float32":
         return "float32"
     return "bfloat16" if device != "cpu" or caps.bf16_native else "float32"
+
+
+def int8_code_bits(caps: CpuCapabilities, requested: str) -> frozenset[int]:
+    """The code widths whose linears take int8 activations: all (int8), none (exact), or for auto
+    those measured better at this level (INT8_BY_DEFAULT)."""
+    if requested not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}")
+    if requested == "auto":
+        return INT8_BY_DEFAULT.get(caps.isa, frozenset())
+    return frozenset({4, 8}) if requested == "int8" else frozenset()
 
 
 def choose_cpu_path(caps: CpuCapabilities, requested: str, checkpoint_dtype: str, weights_fit_bf16: bool,

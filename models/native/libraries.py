@@ -19,6 +19,7 @@ _FALLBACKS = {
     "paged_attention": ("paged-attention", "attention falls back to gather + SDPA, which is slower"),
     "panel_linear": ("panel-linear", "linears take oneDNN's or torch's kernels"),
     "quant_linear": ("quantized-linear", "quantized weights are dequantized at load"),
+    "q8_linear": ("8-bit-activation linear", "quantized linears keep exact activations"),
     "decoder": ("decoder", "the compiled step serves"),
     "shm_comm": ("shared-memory collectives", "tensor-parallel ranks use the process group's"),
 }

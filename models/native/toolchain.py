@@ -34,16 +34,19 @@ SOURCES = {
     "paged_attention": ROOT / "kvcache" / "csrc" / "paged_attention.cpp",
     "panel_linear": ROOT / "models" / "csrc" / "linear.cpp",
     "quant_linear": ROOT / "models" / "csrc" / "quant_linear.cpp",
+    "q8_linear": ROOT / "models" / "csrc" / "q8_linear.cpp",
     "decoder": ROOT / "models" / "csrc" / "decoder.cpp",
     "shm_comm": ROOT / "models" / "csrc" / "shm_comm.cpp",
 }
-# The SIMD vector types, the ISA preamble and the register tiles every kernel file includes
-HEADER = ROOT / "models" / "csrc" / "simd.h"
+# The headers the kernel files include (simd.h: the vector types, the ISA preamble and the register
+# tiles; quant_panels.h: the quantized panels): every library's name hashes them all
+HEADER_DIR = ROOT / "models" / "csrc"
+HEADERS = sorted(HEADER_DIR.glob("*.h"))
 FLAGS = ["-O3", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-DNDEBUG"]
 # x86-64-v3 is AVX2 + FMA + F16C + BMI; -v4 adds AVX-512 F/BW/CD/DQ/VL. The portable build has
 # no -march at all: the compiler's baseline (SSE2 on x86-64, NEON on aarch64).
 ISA_FLAGS = {
-    "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16"],
+    "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"],
     "avx512": ["-march=x86-64-v4"],
     "avx2": ["-march=x86-64-v3"],
     "generic": [],
@@ -70,7 +73,7 @@ def _version_of(compiler: str) -> str:
 
 
 def library_path(name: str, isa: str) -> Path:
-    key = hashlib.sha256("\0".join([SOURCES[name].read_text(), HEADER.read_text(), " ".join(FLAGS + ISA_FLAGS[isa]), torch.__version__,
+    key = hashlib.sha256("\0".join([SOURCES[name].read_text(), *(h.read_text() for h in HEADERS), " ".join(FLAGS + ISA_FLAGS[isa]), torch.__version__,
                                     compiler_version(), sys.version]).encode()).hexdigest()[:16]
     return cache_dir() / "native" / f"{name}-{isa}-{key}.so"
 
@@ -79,7 +82,7 @@ def command(name: str, isa: str, out: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths, library_paths  # noqa: PLC0415 - cpp_extension imports setuptools: only where a library compiles
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    includes = [f"-I{p}" for p in [HEADER.parent, *include_paths(), sysconfig.get_paths()["include"]]]
+    includes = [f"-I{p}" for p in [HEADER_DIR, *include_paths(), sysconfig.get_paths()["include"]]]
     libs = [f"-L{p}" for p in library_paths()]
     return [_compiler(), *FLAGS, *ISA_FLAGS[isa], f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCES[name]),
             "-o", str(out), *libs, "-lc10", "-ltorch_cpu", "-ltorch"]

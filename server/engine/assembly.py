@@ -59,7 +59,8 @@ def assemble(config: EngineConfig, model: DecoderLM | None = None, tokenizer: An
         return _assemble_parallel(config, tokenizer)
     if model is None:
         path = resolve_model(config.model)
-        model = load_for_serving(path, config.dtype, config.device, quantization=config.quantization)
+        model = load_for_serving(path, config.dtype, config.device, quantization=config.quantization,
+                                 activations=config.activations)
         tokenizer = tokenizer or load_tokenizer(path)
     else:
         dtype = dtype_name(model.dtype)
@@ -149,7 +150,8 @@ def _describe(path: CpuPath) -> None:
 
 def _load_draft(config: EngineConfig, spec: SpeculativeConfig, model: DecoderLM, tokenizer: Any) -> DecoderLM:
     path = resolve_model(spec.model)
-    draft = load_for_serving(path, config.dtype, config.device, quantization=spec.quantization)
+    draft = load_for_serving(path, config.dtype, config.device, quantization=spec.quantization,
+                             activations=config.activations)
     check_vocabulary(model, tokenizer, draft, load_tokenizer(path), spec.model)
     logger.info("attnserve draft model %s: %s, weights %s", spec.model, draft.quantization,
                 format_size(draft.weight_bytes()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from models.native.cpu_path import DTYPES, QUANTIZATIONS
+from models.native.cpu_path import ACTIVATIONS, DTYPES, QUANTIZATIONS
 from server.engine.spec_config import SpeculativeConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -53,6 +53,9 @@ class EngineConfig:
     # weights: auto keeps a GGUF's stored types (safetensors: unquantized), none dequantizes, int8 per
     # output channel, int4 in groups of 32, int4_g128 in groups of 128 (models/native/cpu_path.py)
     quantization: str = "auto"
+    # the quantized linears' activations: exact, int8 (rounded per block of 32, integer dot products),
+    # or auto (int8 where measured faster and within the perplexity bounds: models/native/cpu_path.py)
+    activations: str = "auto"
     memory_budget: int | str = "1.5GiB"  # weights + KV pool, when kv_cache_memory is auto
     # auto: the KV pool gets memory_budget - the weights' bytes as served (LLMEngine), so lighter
     # weights buy more blocks; a size (e.g. 1GiB) is the pool itself; ignored when num_blocks is given
@@ -84,6 +87,8 @@ class EngineConfig:
             raise ValueError("block_size must be a positive power of two")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {self.activations!r}")
         object.__setattr__(self, "memory_budget", _positive_size("memory_budget", self.memory_budget))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.num_blocks is None:

@@ -84,7 +84,7 @@ class NativeDecoder:
             for linear in _linears(layer):
                 bias = linear.bias.detach() if linear.bias is not None else torch.empty(0)  # NOTE: empty = no bias
                 tensors += [linear.codes, linear.scales, linear.offsets, bias]
-                sizes += [linear.bits, linear.group_size, linear.out_features]
+                sizes += [linear.bits, linear.group_size, linear.out_features, int(linear.int8_activations)]
             self.stack.add_layer(layer.attn_norm.weight.detach(), layer.mlp_norm.weight.detach(), tensors, sizes)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttention) -> torch.Tensor:

@@ -74,7 +74,7 @@ class ShardWorker:
         # NOTE: every rank creates every stage's group, in the same order (new_group is collective)
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
         self.model = load_for_serving(resolve_model(config.model), config.dtype, config.device,
-                                      config.quantization, shard)
+                                      config.quantization, shard, config.activations)
         self.weight_bytes = self.model.weight_bytes()
         group = groups[shard.pp_rank]
         self.shm = self._shared_memory(group) if tp > 1 else None

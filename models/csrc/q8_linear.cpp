@@ -1,0 +1,343 @@
+// Linears over quantized weights with 8-bit activations (models/quant_linear.py, activations "int8"):
+// each row of x is rounded per block of QB inputs (32; 16 for groups of 16) to int8 with one fp32 scale
+// (its largest magnitude / 127), and multiplied by the weights' integer codes with integer dot
+// products: 4 byte products summed per 32-bit lane. AVX2 has vpmaddubsw + vpmaddwd (32 products in
+// two instructions, against 8 per fp32 FMA); AVX-512 the same at twice the width, and with VNNI one
+// instruction (vpdpbusd). llama.cpp multiplies its quantized types this way.
+//
+// What it computes: x rounded to that int8 grid, times the exact weights. Per block the integer sum
+// is exact; it is scaled in fp32:
+//   y[r, j] = sum_g ( s[j, g] * sum_{b in g} dx[r, b] * (qx[r, b] . code[j, b])
+//                   + o[j, g] * sum_{b in g} dx[r, b] * sum(qx[r, b]) )
+// so |y - x @ W.T| <= sum_b dx[r, b] / 2 * sum_{k in b} |w[j, k]| (plus fp32 rounding).
+// Batch invariant: a row's operations, and their order, do not depend on the other rows of the call,
+// so decode, speculative verification and a prefill chunk give a row the same bits.
+//
+// Packing: panels of W output features in quads (quant_panels.h); a step of KS inputs is, per panel,
+// one vector of W lanes x 4 bytes:
+//   8-bit codes (KS = 4): lane j, byte t = code(j, k + t), signed;
+//   4-bit codes (KS = 8): lane j, byte t = code(j, k + t) | code(j, k + 4 + t) << 4.
+// The x side of a step is 4 bytes broadcast to every lane. vpmaddubsw multiplies unsigned by signed
+// bytes: 4-bit codes are unsigned; signed 8-bit codes go in as |w| against x with w's sign.
+#include <torch/library.h>
+
+#include <array>
+#include <cmath>
+#include <vector>
+
+#include "quant_panels.h"
+
+namespace {
+
+constexpr int LANE_BYTES = W * 4;  // one panel's codes of one step
+constexpr int64_t STEP_STRIDE = QUAD * LANE_BYTES;  // bytes from one step of a panel's codes to its next
+
+// Register tiles: rows of x that share one load of codes (R x NP integer and fp32 accumulators). Measured
+// at AVX2 (Zen 3, 2 threads, the default model's shapes, Q4_1 at M = 512): 2 rows 216 GFLOP/s, 3 rows 230, 4 rows 222
+#if defined(__AVX512F__)
+constexpr int Q8_ROWS = 4;
+#else
+constexpr int Q8_ROWS = 3;
+#endif
+
+#if defined(__AVX512BW__)
+typedef __m512i vq;
+inline vq load_q(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline vq bcast4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+inline vq zero_q() { return _mm512_setzero_si512(); }
+// acc + per 32-bit lane the sum of 4 products of unsigned u and signed s bytes
+inline vq dot_us(vq acc, vq u, vq s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+// the same for signed w: |w| times x with w's sign (|w| <= 128, |x| <= 127: no int16 overflow)
+inline vq dot_ss(vq acc, vq w, vq x) {
+  const __mmask64 negative = _mm512_movepi8_mask(w);
+  return dot_us(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x));
+}
+inline void nibbles(vq c, vq& lo, vq& hi) {
+  const vq mask = _mm512_set1_epi8(15);
+  lo = _mm512_and_si512(c, mask);
+  hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask);
+}
+inline vf to_float(vq i) { return (vf)_mm512_cvtepi32_ps(i); }
+// 4-bit codes: pairs of products summed in int16 lanes, several steps before one widening to int32
+inline vq pairs_us(vq u, vq s) { return _mm512_maddubs_epi16(u, s); }
+inline vq add16(vq a, vq b) { return _mm512_add_epi16(a, b); }
+inline vq widen16(vq acc, vq p) { return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1))); }
+#elif defined(__AVX2__)
+typedef __m256i vq;
+inline vq load_q(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vq bcast4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm256_set1_epi32(v);
+}
+inline vq zero_q() { return _mm256_setzero_si256(); }
+inline vq dot_us(vq acc, vq u, vq s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+inline vq dot_ss(vq acc, vq w, vq x) { return dot_us(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+inline void nibbles(vq c, vq& lo, vq& hi) {
+  const vq mask = _mm256_set1_epi8(15);
+  lo = _mm256_and_si256(c, mask);
+  hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
+}
+inline vf to_float(vq i) { return (vf)_mm256_cvtepi32_ps(i); }
+inline vq pairs_us(vq u, vq s) { return _mm256_maddubs_epi16(u, s); }
+inline vq add16(vq a, vq b) { return _mm256_add_epi16(a, b); }
+inline vq widen16(vq acc, vq p) { return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1))); }
+#else
+// the portable build: the same arithmetic, lane by lane
+struct vq {
+  alignas(16) uint8_t b[LANE_BYTES];
+  int32_t acc[W];
+};
+inline vq load_q(const uint8_t* p) {
+  vq v{};
+  std::memcpy(v.b, p, LANE_BYTES);
+  return v;
+}
+inline vq bcast4(const int8_t* x) {
+  vq v{};
+  for (int j = 0; j < W; ++j) std::memcpy(v.b + 4 * j, x, 4);
+  return v;
+}
+inline vq zero_q() { return vq{}; }
+inline vq dot_us(vq acc, vq u, vq s) {
+  for (int j = 0; j < W; ++j)
+    for (int t = 0; t < 4; ++t) acc.acc[j] += int32_t(u.b[4 * j + t]) * int32_t(int8_t(s.b[4 * j + t]));
+  return acc;
+}
+inline vq dot_ss(vq acc, vq w, vq x) {
+  for (int j = 0; j < W; ++j)
+    for (int t = 0; t < 4; ++t) acc.acc[j] += int32_t(int8_t(w.b[4 * j + t])) * int32_t(int8_t(x.b[4 * j + t]));
+  return acc;
+}
+inline void nibbles(vq c, vq& lo, vq& hi) {
+  for (int i = 0; i < LANE_BYTES; ++i) {
+    lo.b[i] = c.b[i] & 15;
+    hi.b[i] = c.b[i] >> 4;
+  }
+}
+inline vf to_float(vq i) {
+  vf v;
+  for (int j = 0; j < W; ++j) v[j] = float(i.acc[j]);
+  return v;
+}
+// declared only: PAIRS16 is off here, so nothing calls them
+vq pairs_us(vq u, vq s);
+vq add16(vq a, vq b);
+vq widen16(vq acc, vq p);
+#endif
+
+// 4-bit codes without VNNI: a block's products summed in int16 first (its 8 pairs per lane of at most
+// 15 x 127 x 2 each: 30,480 < 2^15), then widened once: half the multiplies of widening every step
+#if (defined(__AVX2__) || defined(__AVX512BW__)) && !defined(__AVX512VNNI__)
+constexpr bool PAIRS16 = true;
+#else
+constexpr bool PAIRS16 = false;
+#endif
+
+struct Packed {
+  const uint8_t* codes;
+  const void* scales;  // fp32 or fp16
+  const void* offsets;  // as scales, or nullptr (symmetric)
+  int64_t k_dim, group, groups, panel_bytes;
+
+  const uint8_t* panel(int64_t p) const { return codes + panel_offset(p, panel_bytes, LANE_BYTES); }
+};
+
+// Rows of x rounded to int8 per block of `block` inputs
+struct Acts {
+  const int8_t* q;  // (rows, K)
+  const float* d;  // (rows, K / block): each block's scale
+  const float* xq;  // (rows, groups): sum over the group's blocks of d * sum(q), the offsets' factor
+  int64_t k_dim, block, blocks, groups;
+
+  Acts rows_from(int64_t r) const {
+    return {q + r * k_dim, d + r * blocks, xq + r * groups, k_dim, block, blocks, groups};
+  }
+};
+
+// y[r, panels p0 .. p0 + NP) for R rows of x.
+template <typename F, int R, int NP>
+void tile(const Acts& a, const Packed& w, int64_t p0, float* y, int64_t n, const float* bias) {
+  constexpr int64_t KS = F::BITS == 8 ? 4 : 8;  // inputs per step
+  const int64_t steps_per_block = a.block / KS, blocks_per_group = w.group / a.block;
+  vf acc[R][NP];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = vf{};
+  const uint8_t* codes[NP];
+  for (int p = 0; p < NP; ++p) codes[p] = w.panel(p0 + p);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    vf s[NP];
+    for (int p = 0; p < NP; ++p) s[p] = load_scales<F::HALF>(w.scales, ((p0 + p) * w.groups + g) * W);
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      vq isum[R][NP];
+      for (int r = 0; r < R; ++r)
+        for (int p = 0; p < NP; ++p) isum[r][p] = zero_q();
+      for (int64_t step = b * steps_per_block; step < (b + 1) * steps_per_block; ++step) {
+        const int64_t k = step * KS;
+        vq x0[R], x1[R];
+        for (int r = 0; r < R; ++r) {
+          x0[r] = bcast4(a.q + r * a.k_dim + k);
+          if constexpr (F::BITS == 4) x1[r] = bcast4(a.q + r * a.k_dim + k + 4);
+        }
+        for (int p = 0; p < NP; ++p) {
+          __builtin_prefetch(codes[p] + (step + 8) * STEP_STRIDE, 0, 0);
+          const vq c = load_q(codes[p] + step * STEP_STRIDE);
+          if constexpr (F::BITS == 8) {
+            for (int r = 0; r < R; ++r) isum[r][p] = dot_ss(isum[r][p], c, x0[r]);
+          } else {
+            vq lo, hi;
+            nibbles(c, lo, hi);
+            for (int r = 0; r < R; ++r) {
+              if constexpr (PAIRS16)  // isum holds int16 pairs until the block ends
+                isum[r][p] = add16(isum[r][p], add16(pairs_us(lo, x0[r]), pairs_us(hi, x1[r])));
+              else
+                isum[r][p] = dot_us(dot_us(isum[r][p], lo, x0[r]), hi, x1[r]);
+            }
+          }
+        }
+      }
+      if constexpr (F::BITS == 4 && PAIRS16)
+        for (int r = 0; r < R; ++r)
+          for (int p = 0; p < NP; ++p) isum[r][p] = widen16(zero_q(), isum[r][p]);
+      // NOTE: one multiply, then one add, per block and lane, in block order: whatever R and NP are
+      for (int r = 0; r < R; ++r) {
+        const float d = a.d[r * a.blocks + b];
+        for (int p = 0; p < NP; ++p) acc[r][p] += to_float(isum[r][p]) * (s[p] * d);
+      }
+    }
+    if constexpr (F::OFFSET) {
+      for (int p = 0; p < NP; ++p) {
+        const vf o = load_scales<F::HALF>(w.offsets, ((p0 + p) * w.groups + g) * W);
+        for (int r = 0; r < R; ++r) acc[r][p] += o * a.xq[r * a.groups + g];
+      }
+    }
+  }
+  store_tile<R, NP>(acc, y, n, p0 * W, bias);
+}
+
+using TileFn = void (*)(const Acts&, const Packed&, int64_t, float*, int64_t, const float*);
+
+template <typename F, int... R>
+constexpr std::array<TileFn, sizeof...(R)> tiles(std::integer_sequence<int, R...>) {
+  return {&tile<F, R + 1, 2>...};
+}
+
+// Quads [u0, u1) of the output: one row takes a quad's four panels at once (four chains, one stream
+// of codes); more rows go two panels at a time, in row blocks that share each load.
+template <typename F>
+void run(const Packed& w, const Acts& a, int64_t m, float* y, int64_t n, const float* bias, int64_t u0, int64_t u1) {
+  if (m == 1) {
+    for (int64_t u = u0; u < u1; ++u) tile<F, 1, 4>(a, w, u * QUAD, y, n, bias);
+    return;
+  }
+  static constexpr auto row_tiles = tiles<F>(std::make_integer_sequence<int, Q8_ROWS>{});
+  // NOTE: a quad's padding may hold whole pairs of panels past n: never computed
+  const int64_t p1 = std::min(QUAD * u1, (n + 2 * W - 1) / (2 * W) * 2);
+  for (int64_t p = QUAD * u0; p < p1; p += 2)
+    row_blocks(m, Q8_ROWS, [&](int64_t r, int nr) { row_tiles[nr - 1](a.rows_from(r), w, p, y + r * n, n, bias); });
+}
+
+using RunFn = void (*)(const Packed&, const Acts&, int64_t, float*, int64_t, const float*, int64_t, int64_t);
+
+RunFn format_runner(int64_t bits, bool half, bool offsets) {
+  const RunFn fns[2][2][2] = {{{&run<Fmt<4, false, false>>, &run<Fmt<4, false, true>>},
+                               {&run<Fmt<4, true, false>>, &run<Fmt<4, true, true>>}},
+                              {{&run<Fmt<8, false, false>>, &run<Fmt<8, false, true>>},
+                               {&run<Fmt<8, true, false>>, &run<Fmt<8, true, true>>}}};
+  return fns[bits == 8][half][offsets];
+}
+
+// The activation block for a group size: 32, or the group itself when it is 16 (Q6_K).
+inline int64_t act_block(int64_t group) { return group % 32 == 0 ? 32 : group; }
+
+// x (M, K) fp32 -> int8 codes, block scales and the offsets' factor, row by row.
+void quantize_rows(const float* x, int64_t m, int64_t k_dim, int64_t block, int64_t group, int8_t* q, float* d,
+                   float* xq) {
+  const int64_t blocks = k_dim / block, groups = k_dim / group, per_group = group / block;
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        float offset_factor = 0.f;
+        for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+          const float* xb = x + r * k_dim + b * block;
+          int8_t* qb = q + r * k_dim + b * block;
+          float amax = 0.f;
+          for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+          const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+          int32_t sum = 0;
+          for (int64_t i = 0; i < block; ++i) {
+            const int32_t v = int32_t(std::nearbyint(std::min(127.f, std::max(-127.f, xb[i] * inv))));
+            qb[i] = int8_t(v);
+            sum += v;
+          }
+          d[r * blocks + b] = scale;
+          offset_factor += scale * float(sum);
+        }
+        xq[r * groups + g] = offset_factor;
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& q, const at::Tensor& scale,
+                                                    const std::optional<at::Tensor>& offset, int64_t bits,
+                                                    int64_t group) {
+  TORCH_CHECK(group % 32 == 0 || (bits == 8 && group == 16),
+              "8-bit activations need groups of a multiple of 32 (or 16 for 8-bit codes)");
+  return pack_panels(q, scale, offset, bits, group, [bits](uint8_t* dst, int64_t p, int64_t panel_bytes, int64_t j,
+                                                           const int8_t* row, int64_t k_dim) {
+    uint8_t* panel = dst + panel_offset(p, panel_bytes, LANE_BYTES);
+    for (int64_t k = 0; k < k_dim; ++k) {
+      if (bits == 8) {
+        panel[(k / 4) * STEP_STRIDE + 4 * j + k % 4] = uint8_t(row[k]);
+      } else {
+        const int64_t step = k / 8, t = k % 8;
+        panel[step * STEP_STRIDE + 4 * j + t % 4] |= uint8_t(row[k] << (t < 4 ? 0 : 4));
+      }
+    }
+  });
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+                  const std::optional<at::Tensor>& bias, int64_t bits, int64_t group, int64_t out_features) {
+  const auto [m, groups] = check_packed(x, codes, scales, offsets, bits, group, out_features);
+  TORCH_CHECK(group % 32 == 0 || (bits == 8 && group == 16), "groups must be packed by this library");
+  const int64_t k_dim = x.size(-1), block = act_block(group);
+  const bool half = scales.scalar_type() == at::kHalf, has_offsets = offsets.numel() > 0;
+  const at::Tensor xc = x.to(at::kFloat).reshape({-1, k_dim}).contiguous();  // (M, K)
+  const LinearOut out = linear_out(x, m, out_features, bias);
+  if (m > 0) {
+    std::vector<int8_t> qx(m * k_dim);
+    std::vector<float> d(m * (k_dim / block)), xq(m * groups);
+    quantize_rows(xc.data_ptr<float>(), m, k_dim, block, group, qx.data(), d.data(), xq.data());
+    const Acts a{qx.data(), d.data(), xq.data(), k_dim, block, k_dim / block, groups};
+    const Packed w{codes.data_ptr<uint8_t>(), scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr, k_dim,
+                   group, groups, codes.size(1)};
+    float* yp = out.y.data_ptr<float>();
+    const auto fn = format_runner(bits, half, has_offsets);
+    // NOTE: whole quads of panels per task: no tile straddles two threads
+    at::parallel_for(0, codes.size(0) / QUAD, 1, [&](int64_t u0, int64_t u1) {
+      fn(w, a, m, yp, out_features, out.bias_ptr(), u0, u1);
+    });
+  }
+  return out.result(x);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnserve, CPU, m) {
+  m.impl("q8_linear", &linear);
+  m.impl("pack_q8", &pack);
+}

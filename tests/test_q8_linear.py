@@ -1,0 +1,126 @@
+"""The 8-bit-activation linear (models/csrc/q8_linear.cpp) for the ISA level this process runs at (make
+test-isa runs it under the AVX2 cap and on the portable build too): what it computes (x rounded to int8
+per block, times the exact weights), its error against the exact product within the analytic bound,
+batch invariance bit for bit, and the modules built on it."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.native.libraries import load
+from models.quant_formats import quantize_rtn
+from models.quant_linear import QuantEmbedding, QuantLinear
+from tests.test_quant_linear import random_quantized
+
+pytestmark = pytest.mark.kernel
+
+ROWS = [1, 7, 32, 300]  # decode, speculative verification, a prefill chunk
+# (bits, group, scale storage, offsets) as each format reaches the kernel (models/quant_formats.py)
+FORMATS = {
+    "Q4_0": (4, 32, "fp16", True), "Q4_1": (4, 32, "fp16", True), "Q4_K": (4, 32, "fp32", True),
+    "Q8_0": (8, 32, "fp16", False), "Q5_0": (8, 32, "fp16", True), "Q5_1": (8, 32, "fp16", True),
+    "Q5_K": (8, 32, "fp32", True), "Q6_K": (8, 16, "fp32", False),
+    "int8": (8, 1152, "fp32", False), "int4_g32": (4, 32, "fp32", True), "int4_g128": (4, 128, "fp32", True),
+}
+
+
+def act_block(group: int) -> int:
+    return 32 if group % 32 == 0 else group
+
+
+def rounded_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) rounded as the kernel rounds it: per block, scale = max |x| / 127 and
+    q = round(x * (127 / max |x|)) (half to even, fp32): returns (q * scale, scale per element)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // block, block)  # (M, K / B, B)
+    amax = xb.abs().amax(dim=-1, keepdim=True)  # (M, K / B, 1)
+    # NOTE: a tensor divided by a tensor: torch's `127 / amax` multiplies by a reciprocal, one rounding more
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    q = torch.round((xb * inv).clamp(-127, 127))
+    scale = amax / 127
+    return (q.double() * scale.double()).reshape(m, k), scale.expand_as(xb).reshape(m, k).double()
+
+
+def packed(w):
+    load("q8_linear")
+    return torch.ops.attnserve.pack_q8(w.q, w.scale, w.offset, w.bits, w.group_size)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("m", ROWS)
+def test_equals_rounded_activations_times_exact_weights(fmt, m):
+    bits, group, scales, offsets = FORMATS[fmt]
+    n, k = 100, 1152  # 100 features: not a multiple of a panel pair at any width
+    w = random_quantized(n, k, bits, group, scales, offsets, seed=m + bits + group)
+    codes, packed_scales, packed_offsets = packed(w)
+    assert packed_scales.dtype == (torch.float16 if scales == "fp16" else torch.float32)
+    g = torch.Generator().manual_seed(m)
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    y = torch.ops.attnserve.q8_linear(x, codes, packed_scales, packed_offsets, b, bits, group, n)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    dense = w.dequantize().double()
+    xq, _ = rounded_activations(x, act_block(group))
+    expected = F.linear(xq, dense, b.double())
+    # NOTE: the integer sums are exact; what is left is fp32 scaling and summing over blocks
+    assert (y.double() - expected).abs().max() <= 1e-5 * F.linear(xq.abs(), dense.abs()).max()
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q6_K", "int4_g128"])
+def test_error_against_exact_activations_is_within_the_rounding_bound(fmt):
+    """|y - x W^T| <= sum_k scale(k) / 2 * |w_k| (each x rounded by at most half its block's step),
+    and the bound is not loose: the error reaches a fair share of it."""
+    bits, group, scales, offsets = FORMATS[fmt]
+    w = random_quantized(64, 1152, bits, group, scales, offsets, seed=11)
+    codes, packed_scales, packed_offsets = packed(w)
+    x = torch.randn(32, 1152) * torch.linspace(0.1, 3, 1152)  # blocks of different ranges
+    y = torch.ops.attnserve.q8_linear(x, codes, packed_scales, packed_offsets, None, bits, group, 64)
+    dense = w.dequantize().double()
+    exact = F.linear(x.double(), dense)
+    _, step = rounded_activations(x, act_block(group))
+    bound = F.linear(step / 2, dense.abs())  # (M, N)
+    fp32 = 1e-5 * F.linear(x.double().abs(), dense.abs())
+    err = (y.double() - exact).abs()
+    assert (err <= bound + fp32).all()
+    assert err.max() > 0.05 * bound.max()
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q6_K", "int4_g128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_the_same_bits_whatever_the_rows_beside_it(fmt, dtype):
+    bits, group, scales, offsets = FORMATS[fmt]
+    layer = QuantLinear(random_quantized(100, 1152, bits, group, scales, offsets, seed=5), torch.randn(100), dtype,
+                        activations="int8")
+    assert layer.int8_activations
+    x = torch.randn(64, 1152).to(dtype)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(64)])
+    for m in range(1, 65):
+        assert torch.equal(layer(x[:m]), alone[:m]), m
+
+
+def test_module_switch_and_what_falls_back():
+    full = torch.randn(96, 128) * 0.05
+    w = quantize_rtn(full, "int4_g32")
+    exact, int8 = QuantLinear(w, None, torch.float32), QuantLinear(w, None, torch.float32, activations="int8")
+    assert not exact.int8_activations and int8.int8_activations and "int8 activations" in repr(int8)
+    x = torch.randn(5, 128)
+    assert (exact(x) - F.linear(x, w.dequantize())).abs().max() < 1e-5  # the exact path is unchanged
+    assert 0 < (int8(x) - exact(x)).abs().max() < 0.05 * exact(x).abs().max()
+    odd = random_quantized(16, 48, 8, 48, seed=1)  # groups of 48: not whole blocks of 32
+    assert not QuantLinear(odd, None, torch.float32, activations="int8").int8_activations
+    with pytest.raises(ValueError, match="activations"):
+        QuantLinear(w, None, torch.float32, activations="fp8")
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q6_K"])
+def test_tied_embedding_reads_the_int8_packed_head(fmt):
+    bits, group, scales, offsets = FORMATS[fmt]
+    w = random_quantized(100, 1152, bits, group, scales, offsets, seed=bits + group)
+    head = QuantLinear(w, None, torch.float32, activations="int8")
+    table = QuantEmbedding.tied(head, torch.float32)
+    ids = torch.tensor([0, 1, 15, 16, 17, 63, 64, 99, 99, 5])
+    assert torch.equal(table(ids), w.dequantize()[ids])
+
+
+def test_packing_rejects_groups_it_cannot_block():
+    load("q8_linear")
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.attnserve.pack_q8(torch.zeros(4, 96, dtype=torch.int8), torch.ones(4, 2), None, 4, 48)
