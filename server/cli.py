@@ -64,7 +64,7 @@ def _engine_config(args: argparse.Namespace, model: str = "default"):
 
     return EngineConfig(
         model=model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
-        quantization=args.quantization, memory_budget=args.memory_budget,
+        quantization=args.quantization, activations=args.activations, memory_budget=args.memory_budget,
         kv_cache_memory=None if args.num_blocks else args.kv_cache_memory, num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, num_threads=args.threads, enforce_eager=args.enforce_eager,

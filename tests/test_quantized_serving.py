@@ -120,6 +120,9 @@ def test_cli_takes_quantization_and_memory_budget():
         assert (cfg.quantization, cfg.memory_budget, cfg.kv_cache_memory) == ("auto", int(1.5 * 2**30), "auto")
         for q in QUANTIZATIONS:
             assert _engine_config(parser.parse_args([*command, "--quantization", q])).quantization == q
+        assert cfg.activations == "auto"
+        for a in ("exact", "int8"):
+            assert _engine_config(parser.parse_args([*command, "--activations", a])).activations == a
         cfg = _engine_config(parser.parse_args([*command, "--quantization", "int4_g128", "--memory-budget", "3GiB"]))
         assert (cfg.quantization, cfg.memory_budget, cfg.kv_cache_memory) == ("int4_g128", 3 * 2**30, "auto")
         cfg = _engine_config(parser.parse_args([*command, "--kv-cache-memory", "256MiB"]))
