@@ -12,7 +12,7 @@ import torch
 from kvcache import ops
 from kvcache.paged_attention import AttentionMetadata, PagedAttention
 from kvcache.storage import KVCacheSpec, PagedKVCache
-from models.attention import reference_attention
+from models.attention import AttentionVariant, reference_attention
 from server.engine.config import parse_size
 from tests.reference import hf_greedy, load_hf
 
@@ -98,6 +98,56 @@ def test_kernel_equals_the_sdpa_gather_path():
     ours, _ = run_step(lens, new, 8, 2, 32, 16, torch.float32, seed=11)
     theirs, _ = run_step(lens, new, 8, 2, 32, 16, torch.float32, seed=11, attention=sdpa)
     assert (ours - theirs).abs().max() < 1e-5
+
+
+# (compute dtype, pool dtype) and (window, softcap, sinks): every path a row can take through the kernel
+POOLS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn),
+         (torch.float32, torch.float8_e5m2)]
+VARIANTS = {"plain": (0, 0.0, False), "window": (20, 0.0, False), "softcap": (0, 1.5, False), "sinks": (0, 0.0, True)}
+
+
+@pytest.mark.parametrize("dtype,pool", POOLS, ids=lambda x: str(x).split(".")[-1])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_row_is_the_same_bit_for_bit_whatever_else_is_in_the_call(dtype, pool, variant):
+    """Batch invariance: a query row's output, computed alone as a decode, equals that row computed
+    among M = 1..64 new rows of its sequence (speculative verification, a prefill chunk, a prompt after
+    a prefix-cache hit) and beside other sequences (alone, and enough decodes to take whole block rows)."""
+    window, softcap, with_sinks = VARIANTS[variant]
+    heads, kv_heads, head_dim, bs, context, longest = 9, 3, 64, 16, 45, 64
+    total = context + longest
+    g = torch.Generator().manual_seed(7)
+    num_blocks = 64
+    cache = PagedKVCache(KVCacheSpec(1, kv_heads, head_dim, pool, bs), num_blocks, "cpu")
+    table = torch.randperm(num_blocks, generator=g)[: -(-total // bs)].tolist()
+    q = torch.randn(total, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
+    sinks = torch.randn(heads, generator=g) if with_sinks else None
+    others = [[b] for b in range(num_blocks) if b not in table][:5]  # other sequences: one block, 9 keys each
+    k_other, v_other = (torch.randn(9, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
+    q_other = torch.randn(9, heads, head_dim, generator=g).to(dtype)
+
+    def attend(new_lens, context_lens, tables, qs, ks, vs):
+        meta = AttentionMetadata.build(new_lens, context_lens, tables, bs, "cpu")
+        return PagedAttention(cache, meta)(0, qs, ks, vs, AttentionVariant(1 / 8, window or None, softcap or None),
+                                           sinks)
+
+    for other in others:  # the other sequences' 8 earlier keys
+        attend([8], [0], [other], q_other[:8], k_other[:8], v_other[:8])
+    whole = attend([total], [0], [table], q, k, v)  # the prompt in one call, filling the pool
+    alone = torch.stack([attend([1], [p], [table], q[p:p + 1], k[p:p + 1], v[p:p + 1])[0] for p in range(total)])
+    assert torch.equal(whole, alone)
+    for m in range(1, longest + 1):
+        rows = attend([m], [context], [table], q[context:context + m], k[context:context + m], v[context:context + m])
+        assert torch.equal(rows, alone[context:context + m]), m
+    for num_others in (1, len(others)):  # beside decodes: one head per work item, then whole block rows
+        lens = [4] + [1] * num_others
+        out = attend(lens, [context] + [8] * num_others, [table] + others[:num_others],
+                     torch.cat([q[context:context + 4], q_other[8:9].expand(num_others, -1, -1)]),
+                     torch.cat([k[context:context + 4], k_other[8:9].expand(num_others, -1, -1)]),
+                     torch.cat([v[context:context + 4], v_other[8:9].expand(num_others, -1, -1)]))
+        assert torch.equal(out[:4], alone[context:context + 4])
+        assert all(torch.equal(out[4 + i], out[4]) for i in range(num_others))  # the same decode, whatever its item
 
 
 def test_metadata_slots_and_tables():

@@ -14,6 +14,14 @@
 // start each row's online softmax at the sink's logit with no value (its mass is dropped). The
 // plain case pays for none of them: each is a branch hoisted out of the per-key math.
 //
+// Batch invariance: a query row's output is the same, bit for bit, whichever path computes it (a
+// decode, a row of a speculative verification, a prefill tile) and whatever rows share its call, so
+// neither batching, speculation, chunking nor a prefix-cache hit changes a greedy token. Both paths
+// take the same steps per row: q.k summed over head_dim in order; the online softmax per chunk of
+// KEY_CHUNK keys at multiples of KEY_CHUNK (masked keys add exact zeros); each chunk's sum folded in
+// the same tree; the values accumulated key by key. The library is built with -ffp-contract=off, so
+// only the multiply-adds spelled out (fmadd) are fused, in both paths alike.
+//
 // Vectors are GCC vector extensions of W floats, one register of the ISA the library is built
 // for: 16 with AVX-512, 8 with AVX2, 4 for the portable build (SSE2 or NEON). Each ISA gets its
 // own library (models/native/toolchain.py), chosen from the CPU's features at run time.
@@ -43,9 +51,14 @@ constexpr int MAX_TILE_ROWS = 32;  // query rows (tokens x group heads) per work
 constexpr int HEAD_DIM_STEP = 16;  // head_dim is padded up to a multiple of this (zero lanes)
 constexpr int MAX_HEAD_DIM_STEPS = 16;  // head_dim up to 256
 constexpr int PREFETCH_KEYS = 16;  // how far ahead (in keys) K/V rows are prefetched
-constexpr int DECODE_KEYS = 16;  // keys per softmax step of a decode (a multiple of W)
+// keys per online-softmax step, in every path (a multiple of W): the per-row step (max, exp, the
+// accumulators' rescale) is paid once per 16 keys, not once per vector of scores
+constexpr int KEY_CHUNK = 16;
+constexpr int DECODE_CHUNKS = 4;  // chunks whose scores a decode takes at once
+alignas(64) constexpr float ZERO_ROW[HEAD_DIM_STEP * MAX_HEAD_DIM_STEPS] = {};  // a masked key's K row
 
-inline vf splat(float x) { return vf{} + x; }
+// x in every lane: a broadcast (`vf{} + x` would be an add: 0 + -0 is +0, so it cannot be folded away)
+inline vf splat(float x) { return __builtin_shuffle(vf{x}, vi{}); }
 
 inline vf load(const float* p) {
   vf v;
@@ -55,40 +68,25 @@ inline vf load(const float* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// Lane shuffles. fold<h>(x, y): x and y each hold W / (2h) slots of 2h lanes; the result holds
-// x's slots then y's, each summed down to h lanes. log2(W) folds turn W vectors of per-key
-// partial dot products into one vector of W dot products, in key order.
-constexpr int fold_index(int h, int upper, int l) {
-  const int slots = W / (2 * h), s = l / h;
-  const int base = s < slots ? s * 2 * h : W + (s - slots) * 2 * h;
-  return base + upper * h + l % h;
-}
-
+// x[0..W) as a W x W matrix, transposed in place (x[j][i] = x[i][j] before): one step per bit of
+// the index, each swapping the off-diagonal blocks of that size. W log2(W) two-source shuffles.
 template <int H, int... I>
-inline vf fold_impl(vf x, vf y, std::integer_sequence<int, I...>) {
-  constexpr vi lo = {fold_index(H, 0, I)...};
-  constexpr vi hi = {fold_index(H, 1, I)...};
-  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
-}
-
-template <int H>
-inline vf fold(vf x, vf y) {
-  return fold_impl<H>(x, y, std::make_integer_sequence<int, W>{});
-}
-
-// part[0 .. 2H) -> part[0 .. H), then on down to one vector.
-template <int H>
-inline vf reduce_from(vf* part) {
-  for (int i = 0; i < H; ++i) part[i] = fold<H>(part[2 * i], part[2 * i + 1]);
-  if constexpr (H == 1) {
-    return part[0];
-  } else {
-    return reduce_from<H / 2>(part);
+inline void transpose_step(vf* x, std::integer_sequence<int, I...>) {
+  constexpr vi lo = {((I & H) ? W + I - H : I)...};
+  constexpr vi hi = {((I & H) ? W + I : I + H)...};
+  for (int i = 0; i < W; ++i) {
+    if (i & H) continue;
+    const vf a = x[i], b = x[i + H];
+    x[i] = __builtin_shuffle(a, b, lo);
+    x[i + H] = __builtin_shuffle(a, b, hi);
   }
 }
 
-// part[t] (t < W) -> one vector whose lane t is the sum of part[t]'s lanes.
-inline vf reduce_lanes(vf* part) { return reduce_from<W / 2>(part); }
+template <int H = 1>
+inline void transpose(vf* x) {
+  transpose_step<H>(x, std::make_integer_sequence<int, W>{});
+  if constexpr (2 * H < W) transpose<2 * H>(x);
+}
 
 template <int... I>
 constexpr vi iota(std::integer_sequence<int, I...>) {
@@ -133,16 +131,16 @@ inline vf tanh_v(vf x) {
   x = x > clamp ? splat(clamp) : x;
   const vf x2 = x * x;
   vf p = splat(-2.76076847742355e-16f);
-  p = p * x2 + 2.00018790482477e-13f;
-  p = p * x2 + -8.60467152213735e-11f;
-  p = p * x2 + 5.12229709037114e-08f;
-  p = p * x2 + 1.48572235717979e-05f;
-  p = p * x2 + 6.37261928875436e-04f;
-  p = p * x2 + 4.89352455891786e-03f;
+  p = fmadd(p, x2, splat(2.00018790482477e-13f));
+  p = fmadd(p, x2, splat(-8.60467152213735e-11f));
+  p = fmadd(p, x2, splat(5.12229709037114e-08f));
+  p = fmadd(p, x2, splat(1.48572235717979e-05f));
+  p = fmadd(p, x2, splat(6.37261928875436e-04f));
+  p = fmadd(p, x2, splat(4.89352455891786e-03f));
   vf d = splat(1.19825839466702e-06f);
-  d = d * x2 + 1.18534705686654e-04f;
-  d = d * x2 + 2.26843463243900e-03f;
-  d = d * x2 + 4.89352518554385e-03f;
+  d = fmadd(d, x2, splat(1.18534705686654e-04f));
+  d = fmadd(d, x2, splat(2.26843463243900e-03f));
+  d = fmadd(d, x2, splat(4.89352518554385e-03f));
   return p * x / d;
 }
 
@@ -151,14 +149,14 @@ inline vf exp_neg(vf x) {
   x = vmax(x, splat(-87.0f));
   const vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);  // nearest, for x <= 0
   const vf nf = __builtin_convertvector(n, vf);
-  const vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  const vf r = fmadd(nf, splat(2.12194440e-4f), fmadd(nf, splat(-0.693359375f), x));
   vf p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  p = fmadd(p, r, splat(1.3981999507e-3f));
+  p = fmadd(p, r, splat(8.3334519073e-3f));
+  p = fmadd(p, r, splat(4.1665795894e-2f));
+  p = fmadd(p, r, splat(1.6666665459e-1f));
+  p = fmadd(p, r, splat(5.0000001201e-1f));
+  p = fmadd(p * r, r, r) + 1.0f;
   const vi bits = (n + 127) << 23;
   vf scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -353,13 +351,21 @@ inline void prefetch_keys(const C* k_cache, const C* v_cache, const SeqView& s, 
   }
 }
 
-// K and V rows of keys [key0, key0 + nk) for one head: V (and K unless `kf` is null) as fp32
-// [t][Dp], and where each K row lies (in the cache, or widened into `kb` [t][Dp]).
+// K and V rows of keys [key0 + t0, key0 + nk) for one head: V (and K unless `kf` is null) as fp32
+// [t][Dp], and where each K row lies (in the cache, or widened into `kb` [t][Dp]). The chunk's other
+// keys are zero rows: those before t0 (before the earliest window's start) are never read, as their
+// blocks may be stale; those from nk on do not exist. The math then runs whole chunks.
 template <typename C, typename K, int NV>
-inline void load_chunk(const C* k_cache, const C* v_cache, const SeqView& s, int64_t key0, int nk, int64_t head,
-                       const Layout& L, float* kf, float* vf_, const K** k_rows, K* kb) {
+inline void load_chunk(const C* k_cache, const C* v_cache, const SeqView& s, int64_t key0, int t0, int nk,
+                       int64_t head, const Layout& L, float* kf, float* vf_, const K** k_rows, K* kb) {
   const int64_t num_keys = s.seq_len, row_bytes = L.head_dim * int64_t(sizeof(C));
-  for (int t = 0; t < nk; ++t) {
+  for (int t = 0; t < KEY_CHUNK; ++t) {
+    if (t >= t0 && t < nk) continue;
+    k_rows[t] = reinterpret_cast<const K*>(ZERO_ROW);
+    if (kf != nullptr) std::fill(kf + t * NV * W, kf + (t + 1) * NV * W, 0.f);
+    std::fill(vf_ + t * NV * W, vf_ + (t + 1) * NV * W, 0.f);
+  }
+  for (int t = t0; t < nk; ++t) {
     // NOTE: a steady stream of prefetches, PREFETCH_KEYS ahead: a burst of a whole chunk's rows
     // would overflow the miss queues, and the blocks are DRAM-cold (every other layer ran since)
     if (key0 + t + PREFETCH_KEYS < num_keys) {
@@ -399,16 +405,15 @@ inline __m512bh load_bf16_pairs(const void* p) { return (__m512bh)_mm512_loadu_s
 #endif
 
 // A decode: one query token, KV heads [first, first + num), each head's group of query heads
-// as rows. Per chunk of W keys, a head's K/V rows are converted once; each row's W dot products
-// come out of one lane reduction. Taking all heads of a sequence in one item reads each block
-// whole, in address order. NV * W = head_dim rounded up to HEAD_DIM_STEP (padding lanes are zero).
+// as rows. A head's K rows are transposed (keys as lanes), so each row's scores are head_dim
+// multiply-adds in order, as a prefill tile's lane takes them; DECODE_CHUNKS chunks at a time, whose
+// sums are independent chains (one chain alone waits on each multiply-add's latency). Taking all
+// heads of a sequence in one item reads each block whole, in address order. NV * W = head_dim
+// rounded up to HEAD_DIM_STEP (padding lanes are zero).
 template <typename T, typename C, int NV>
 void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, const C* k_cache, const C* v_cache,
                    const Layout& L, float scale, float v_scale, const Variant& var) {
-  constexpr int Dp = NV * W;
-  // NOTE: keys per chunk: 16 at every width, so the per-row softmax step (max, exp, the
-  // accumulator's rescale) is paid once per 16 keys, not once per vector of scores
-  constexpr int CH = DECODE_KEYS / W, KC = DECODE_KEYS;
+  constexpr int Dp = NV * W, KC = KEY_CHUNK, CH = KC / W, NC = DECODE_CHUNKS, SPAN = NC * KC;
   const int group = int(L.num_heads / L.num_kv_heads);
   const int rows = w.num_heads * group;
   const int64_t num_keys = sv.seq_len;
@@ -418,8 +423,9 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
 
   alignas(64) float qf[MAX_TILE_ROWS * Dp];
   alignas(64) float acc[MAX_TILE_ROWS * Dp];
-  alignas(64) float kf[KC * Dp];
-  alignas(64) float vfb[KC * Dp];
+  alignas(64) float kf[SPAN * Dp];
+  alignas(64) float vfb[SPAN * Dp];
+  alignas(64) float kT[NC * Dp * KC];  // [chunk][d][key]: K, keys as lanes (bf16 path: [chunk][pair][key])
   alignas(64) float pf[KC];
   float mrow[MAX_TILE_ROWS], lrow[MAX_TILE_ROWS];
 
@@ -434,12 +440,12 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
     mrow[r] = var.start_max(first_qhead + r);
     lrow[r] = var.start_sum(first_qhead + r);
   }
-  vf part[W];
   using K = KRow<T, C>;
-  const K* k_rows[KC];
+  const K* k_rows[SPAN];
   const bool bf16_path = bf16_dot<T, K, NV>() && L.head_dim == Dp;  // else q.k on fp32 copies
+  const int cols = bf16_path ? Dp / 2 : Dp;  // 32-bit columns per K row
 
-  // NOTE: a chunk's K and V rows for all the item's heads (adjacent in a row) are first copied
+  // NOTE: a span's K and V rows for all the item's heads (adjacent in a row) are first copied
   // out in address order: one sequential read per block, which DRAM streams 2-3x faster than
   // the strided per-head reads the math would make; the math then reads the L1-resident copy.
   // An fp32 pool (head_dim a whole number of vectors) is read where it lies instead: the rows
@@ -449,16 +455,19 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
   const int64_t span = w.num_heads * L.head_dim;
   thread_local std::vector<K> k_stage;
   thread_local std::vector<C> v_stage;
-  k_stage.resize(size_t(KC * span));
-  v_stage.resize(size_t(KC * span));
+  k_stage.resize(size_t(SPAN * span));
+  v_stage.resize(size_t(SPAN * span));
   K* ks = k_stage.data();
   C* vs = v_stage.data();
-  const float* kr[KC];  // the fp32 K and V rows of the chunk's keys, for the current head
-  const float* vr[KC];
-  int64_t offs[KC];
-  for (int64_t key0 = first_key; key0 < num_keys; key0 += KC) {
-    const int nk = int(std::min<int64_t>(KC, num_keys - key0));
-    for (int t = 0; t < nk; ++t) {
+  const float* kr[SPAN];  // the fp32 K and V rows of the span's keys, for the current head
+  const float* vr[SPAN];
+  int64_t offs[SPAN];
+  // NOTE: chunks at multiples of KEY_CHUNK, as a prefill tile's; the keys before the window's start are masked, never read
+  for (int64_t key0 = first_key - first_key % KC; key0 < num_keys; key0 += SPAN) {
+    const int nk = int(std::min<int64_t>(SPAN, num_keys - key0));
+    const int t0 = int(std::max<int64_t>(0, first_key - key0));
+    const int num_chunks = (nk + KC - 1) / KC;
+    for (int t = t0; t < nk; ++t) {
       if (key0 + t + PREFETCH_KEYS < num_keys) {  // NOTE: ahead only: nothing before first_key is touched
         prefetch_keys(k_cache, v_cache, sv, key0 + t + PREFETCH_KEYS, 1, w.first_head, span * int64_t(sizeof(C)), L);
       }
@@ -468,7 +477,12 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
       std::memcpy(vs + t * span, v_cache + offs[t], span * sizeof(C));
     }
     for (int hh = 0; hh < w.num_heads; ++hh) {
-      for (int t = 0; t < nk; ++t) {
+      for (int t = 0; t < num_chunks * KC; ++t) {
+        if (t < t0 || t >= nk) {
+          k_rows[t] = reinterpret_cast<const K*>(ZERO_ROW);
+          kr[t] = ZERO_ROW;
+          continue;
+        }
         if (in_place) {
           kr[t] = fp32_row(k_cache + offs[t] + hh * L.head_dim);
           vr[t] = fp32_row(v_cache + offs[t] + hh * L.head_dim);
@@ -480,60 +494,89 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
         kr[t] = kf + t * Dp;
         vr[t] = vfb + t * Dp;
       }
+      // K^T, W keys x W columns at a time; the chunks past the span's keys are zeros
+      for (int cc = 0; cc < NC; ++cc) {
+        float* kTc = kT + cc * Dp * KC;
+        if (cc >= num_chunks) {
+          std::fill(kTc, kTc + cols * KC, 0.f);
+          continue;
+        }
+        for (int c = 0; c < CH; ++c) {
+          for (int b = 0; b < cols / W; ++b) {
+            vf x[W];
+            for (int i = 0; i < W; ++i) {
+              const int t = cc * KC + c * W + i;
+              x[i] = load((bf16_path ? reinterpret_cast<const float*>(k_rows[t]) : kr[t]) + b * W);
+            }
+            transpose(x);
+            for (int j = 0; j < W; ++j) store(kTc + (b * W + j) * KC + c * W, x[j]);
+          }
+        }
+      }
       for (int r = hh * group; r < (hh + 1) * group; ++r) {
-        vf s[CH];  // the chunk's scores, W keys per vector
-        for (int c = 0; c < CH; ++c) {
-          const int t0 = c * W, nc = std::clamp(nk - t0, 0, W);
-          for (int t = nc; t < W; ++t) part[t] = vf{};
-          if constexpr (bf16_dot<T, K, NV>()) {
+        vf s[NC * CH];  // the span's scores, W keys per vector
+        for (int i = 0; i < NC * CH; ++i) s[i] = vf{};
+        if constexpr (bf16_dot<T, K, NV>()) {
 #if ATTNSERVE_BF16_DOT
-            if (bf16_path) {
-              const T* qr = q + token * L.q_stride_t + (first_qhead + r) * L.q_stride_h;
-              __m512bh qv[NV / 2];
-              for (int j = 0; j < NV / 2; ++j) qv[j] = load_bf16_pairs(qr + j * 2 * W);
-              for (int t = 0; t < nc; ++t) {
-                __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], load_bf16_pairs(k_rows[t0 + t]));
-                for (int j = 1; j < NV / 2; ++j)
-                  d = _mm512_dpbf16_ps(d, qv[j], load_bf16_pairs(k_rows[t0 + t] + j * 2 * W));
-                part[t] = d;
-              }
+          if (bf16_path) {  // per pair of dims: the row's pair, broadcast, against each key's pair
+            const T* qr = q + token * L.q_stride_t + (first_qhead + r) * L.q_stride_h;
+            __m512 st[NC];
+            for (int cc = 0; cc < NC; ++cc) st[cc] = _mm512_setzero_ps();
+            for (int j = 0; j < Dp / 2; ++j) {
+              int32_t pair;
+              std::memcpy(&pair, qr + 2 * j, sizeof pair);
+              const __m512bh qj = (__m512bh)_mm512_set1_epi32(pair);
+              for (int cc = 0; cc < NC; ++cc)
+                st[cc] = _mm512_dpbf16_ps(st[cc], qj, load_bf16_pairs(kT + cc * Dp * KC + j * KC));
             }
+            for (int cc = 0; cc < NC; ++cc) s[cc] = (vf)st[cc] * scale;
+          }
 #endif
+        }
+        if (!bf16_path) {
+          const float* qr = qf + r * Dp;
+          vf sc[NC * CH];
+          for (int i = 0; i < NC * CH; ++i) sc[i] = vf{};
+          for (int d = 0; d < Dp; ++d) {
+            const vf qd = splat(qr[d]);
+            for (int cc = 0; cc < NC; ++cc)
+              for (int c = 0; c < CH; ++c)
+                sc[cc * CH + c] = fmadd(qd, load(kT + cc * Dp * KC + d * KC + c * W), sc[cc * CH + c]);
           }
-          if (!bf16_path) {
-            const float* qr = qf + r * Dp;
-            vf qv[NV];
-            for (int j = 0; j < NV; ++j) qv[j] = load(qr + j * W);
-            for (int t = 0; t < nc; ++t) {
-              vf d = qv[0] * load(kr[t0 + t]);
-              for (int j = 1; j < NV; ++j) d += qv[j] * load(kr[t0 + t] + j * W);
-              part[t] = d;
-            }
+          for (int i = 0; i < NC * CH; ++i) s[i] = sc[i];
+        }
+        // the online softmax, chunk by chunk
+        for (int cc = 0; cc < num_chunks; ++cc) {
+          vf smax = splat(NEG_INF);
+          vi valid[CH];  // lanes of keys in [t0, nk)
+          for (int c = 0; c < CH; ++c) {
+            const vi key = LANES + (cc * KC + c * W);
+            valid[c] = (key >= t0) & (key < nk);
+            vf& x = s[cc * CH + c];
+            if (capped) x = var.cap(x);  // before the masked lanes' -inf: tanh would make it finite
+            x = valid[c] ? x : splat(NEG_INF);
+            smax = vmax(smax, x);
           }
-          vf sc = reduce_lanes(part) * (bf16_path ? scale : 1.f);
-          if (capped) sc = var.cap(sc);  // before the padding lanes' -inf: tanh would make it finite
-          s[c] = (LANES + t0) < nk ? sc : splat(NEG_INF);
+          const float m_old = mrow[r], m_new = std::max(m_old, hmax(smax));
+          const float correction = m_old == NEG_INF ? 0.f : exp_neg(splat(m_old - m_new))[0];
+          vf psum = vf{};
+          for (int c = 0; c < CH; ++c) {
+            const vf p = valid[c] ? exp_neg(s[cc * CH + c] - m_new) : vf{};
+            store(pf + c * W, p);
+            psum += p;
+          }
+          mrow[r] = m_new;
+          lrow[r] = lrow[r] * correction + hsum(psum);
+          float* a = acc + r * Dp;
+          vf av[NV];
+          for (int j = 0; j < NV; ++j) av[j] = load(a + j * W) * correction;
+          const int first = std::max(t0, cc * KC), end = std::min(nk, (cc + 1) * KC);
+          for (int t = first; t < end; ++t) {
+            const vf pt = splat(pf[t - cc * KC]);
+            for (int j = 0; j < NV; ++j) av[j] = fmadd(load(vr[t] + j * W), pt, av[j]);
+          }
+          for (int j = 0; j < NV; ++j) store(a + j * W, av[j]);
         }
-        vf smax = s[0];
-        for (int c = 1; c < CH; ++c) smax = vmax(smax, s[c]);
-        const float m_old = mrow[r], m_new = std::max(m_old, hmax(smax));
-        const float correction = m_old == NEG_INF ? 0.f : exp_neg(splat(m_old - m_new))[0];
-        vf psum = vf{};
-        for (int c = 0; c < CH; ++c) {
-          const vf p = (LANES + c * W) < nk ? exp_neg(s[c] - m_new) : vf{};
-          store(pf + c * W, p);
-          psum += p;
-        }
-        mrow[r] = m_new;
-        lrow[r] = lrow[r] * correction + hsum(psum);
-        float* a = acc + r * Dp;
-        vf av[NV];
-        for (int j = 0; j < NV; ++j) av[j] = load(a + j * W) * correction;
-        for (int t = 0; t < nk; ++t) {
-          const float pt = pf[t];
-          for (int j = 0; j < NV; ++j) av[j] += load(vr[t] + j * W) * pt;
-        }
-        for (int j = 0; j < NV; ++j) store(a + j * W, av[j]);
       }
     }
   }
@@ -547,8 +590,9 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
 }
 
 // A prefill tile: up to W query rows of one KV head, one row per vector lane, so scores, the
-// online softmax and the accumulators are all lane-wise: no reductions across lanes. Per key, a
-// row's score is Dp FMAs against the key's elements broadcast; causality is a per-lane compare.
+// online softmax and the accumulators are all lane-wise. Per key, a row's score is Dp FMAs against
+// the key's elements broadcast; causality is a per-lane compare. Each chunk's sum is folded in a
+// decode's order (the file's head: batch invariance).
 template <typename T, typename C, int NV>
 void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const C* k_cache, const C* v_cache,
                  const Layout& L, float scale, float v_scale, const Variant& var) {
@@ -560,13 +604,14 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
 
   alignas(64) float qT[Dp * W];  // [d][lane]
   alignas(64) float accT[Dp * W];  // [d][lane]
-  alignas(64) float kf[W * Dp];
-  alignas(64) float vfb[W * Dp];
+  constexpr int KC = KEY_CHUNK, CH = KC / W;
+  alignas(64) float kf[KC * Dp];
+  alignas(64) float vfb[KC * Dp];
   alignas(64) float row[Dp];
   alignas(64) uint32_t qT2[(Dp / 2) * W];  // bf16 path: [dim pair][lane], q's raw bf16 pairs
   using K = KRow<T, C>;
-  alignas(64) K kb[std::is_same_v<K, C> ? 1 : W * Dp];  // widened K rows, where they are widened
-  const K* k_rows[W];
+  alignas(64) K kb[std::is_same_v<K, C> ? 1 : KC * Dp];  // widened K rows, where they are widened
+  const K* k_rows[KC];
   const bool bf16_path = bf16_dot<T, K, NV>() && L.head_dim == Dp;
   vi pos;  // each lane's token position; -1 for unused lanes (no key is visible)
   vi lo;  // each lane's first visible key (its window's start)
@@ -601,66 +646,79 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
   const int64_t num_keys = last + 1, head = w.first_head;
   const bool windowed = var.window > 0, capped = var.softcap > 0.f;
 
-  // NOTE: from the earliest row's window start: no key before it is read (load_chunk prefetches ahead only)
-  for (int64_t key0 = first_key; key0 < num_keys; key0 += W) {
-    const int nk = int(std::min<int64_t>(W, num_keys - key0));
-    load_chunk<C, K, NV>(k_cache, v_cache, sv, key0, nk, head, L, bf16_path ? nullptr : kf, vfb, k_rows, kb);
-    vf s[W];
-    for (int t = 0; t < W; ++t) s[t] = vf{};
+  // NOTE: from the chunk of the earliest row's window start (chunks at multiples of KEY_CHUNK, as a
+  // decode's); keys before that start are masked, never read (load_chunk prefetches ahead only)
+  for (int64_t key0 = first_key - first_key % KC; key0 < num_keys; key0 += KC) {
+    const int nk = int(std::min<int64_t>(KC, num_keys - key0));
+    const int t0 = int(std::max<int64_t>(0, first_key - key0));
+    load_chunk<C, K, NV>(k_cache, v_cache, sv, key0, t0, nk, head, L, bf16_path ? nullptr : kf, vfb, k_rows, kb);
+    vf s[KC];
+    for (int t = 0; t < KC; ++t) s[t] = vf{};
     if constexpr (bf16_dot<T, K, NV>()) {
 #if ATTNSERVE_BF16_DOT
       if (bf16_path) {  // per pair of dims: the lanes' q pairs against each key's pair, broadcast
+        // NOTE: all KEY_CHUNK keys, into sums of their own: fixed trip counts keep them in registers
+        __m512 st[KC];
+        for (int t = 0; t < KC; ++t) st[t] = _mm512_setzero_ps();
         for (int j = 0; j < Dp / 2; ++j) {
           const __m512bh qj = load_bf16_pairs(qT2 + j * W);
-          for (int t = 0; t < nk; ++t) {
+          for (int t = 0; t < KC; ++t) {
             int32_t pair;
             std::memcpy(&pair, k_rows[t] + 2 * j, sizeof pair);
-            s[t] = _mm512_dpbf16_ps(s[t], qj, (__m512bh)_mm512_set1_epi32(pair));
+            st[t] = _mm512_dpbf16_ps(st[t], qj, (__m512bh)_mm512_set1_epi32(pair));
           }
         }
-        for (int t = 0; t < nk; ++t) s[t] *= scale;
+        for (int t = 0; t < KC; ++t) s[t] = (vf)st[t];
+        for (int t = 0; t < KC; ++t) s[t] *= scale;
       }
 #endif
     }
-    if (bf16_path) {
-    } else if (nk == W) {  // full chunk: fixed trip counts, so the W accumulators stay in registers
-      for (int d = 0; d < Dp; ++d) {
-        const vf qd = load(qT + d * W);
-        for (int t = 0; t < W; ++t) s[t] += qd * kf[t * Dp + d];
-      }
-    } else {
-      for (int d = 0; d < Dp; ++d) {
-        const vf qd = load(qT + d * W);
-        for (int t = 0; t < nk; ++t) s[t] += qd * kf[t * Dp + d];
+    if (!bf16_path) {
+      for (int c = 0; c < CH; ++c) {  // W keys at a time: their W sums of their own stay in registers
+        vf sc[W];
+        for (int t = 0; t < W; ++t) sc[t] = vf{};
+        for (int d = 0; d < Dp; ++d) {
+          const vf qd = load(qT + d * W);
+          for (int t = 0; t < W; ++t) sc[t] = fmadd(qd, splat(kf[(c * W + t) * Dp + d]), sc[t]);
+        }
+        for (int t = 0; t < W; ++t) s[c * W + t] = sc[t];
       }
     }
     if (capped) {
       for (int t = 0; t < nk; ++t) s[t] = var.cap(s[t]);
     }
     vf chunk_max = splat(NEG_INF);
-    for (int t = 0; t < nk; ++t) {
+    for (int t = 0; t < KC; ++t) {
       // NOTE: causality: key key0 + t is visible to the lanes whose token sits at or after it
       // (and, in a window, whose window starts at or before it)
       const int32_t key = int32_t(key0 + t);
-      const vi visible = windowed ? ((pos >= key) & (lo <= key)) : (pos >= key);
+      const vi visible = t >= nk ? vi{} : windowed ? ((pos >= key) & (lo <= key)) : (pos >= key);
       s[t] = visible ? s[t] : splat(NEG_INF);
       chunk_max = vmax(chunk_max, s[t]);
     }
     const vf m_new = vmax(m, chunk_max);
     const auto seen = m_new > splat(NEG_INF);  // lanes with at least one visible key so far
     const vf correction = seen ? exp_neg(m - m_new) : vf{};
-    for (int t = 0; t < nk; ++t) {
+    for (int t = 0; t < KC; ++t) {
       s[t] = (seen && s[t] > splat(NEG_INF)) ? exp_neg(s[t] - m_new) : vf{};
     }
-    lsum = lsum * correction;
-    for (int t = 0; t < nk; ++t) lsum += s[t];
+    // the chunk's sum as a decode takes it: keys l, W + l, ... per lane position l, then halves folded
+    vf part[W];
+    for (int l = 0; l < W; ++l) {
+      part[l] = vf{};
+      for (int c = 0; c < CH; ++c) part[l] += s[c * W + l];
+    }
+    for (int h = W / 2; h >= 1; h /= 2) {
+      for (int l = 0; l < h; ++l) part[l] += part[l + h];
+    }
+    lsum = lsum * correction + part[0];
     m = m_new;
     for (int d0 = 0; d0 < Dp; d0 += DB) {
       vf a[DB];
       for (int j = 0; j < DB; ++j) a[j] = load(accT + (d0 + j) * W) * correction;
-      for (int t = 0; t < nk; ++t) {
+      for (int t = t0; t < nk; ++t) {
         const float* vr = vfb + t * Dp + d0;
-        for (int j = 0; j < DB; ++j) a[j] += s[t] * vr[j];
+        for (int j = 0; j < DB; ++j) a[j] = fmadd(s[t], splat(vr[j]), a[j]);
       }
       for (int j = 0; j < DB; ++j) store(accT + (d0 + j) * W, a[j]);
     }

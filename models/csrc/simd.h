@@ -9,6 +9,9 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 #if defined(__AVX512BF16__)
 #define ATTNSERVE_BF16_DOT 1  // bf16 pairs multiplied straight from memory (vdpbf16ps), fp32 accumulation
 #else
@@ -43,5 +46,19 @@ typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
 typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
 typedef uint8_t vb __attribute__((vector_size(W * sizeof(uint8_t))));
 typedef int8_t vsb __attribute__((vector_size(W * sizeof(int8_t))));
+
+// a * b + c with one rounding where the level has FMA (x86-64-v3 and up, aarch64), else two. Spelled out
+// where two kernels must round alike: a library built with -ffp-contract=off fuses only these.
+inline vf fmadd(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif defined(__aarch64__)
+  return (vf)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
+#else
+  return a * b + c;
+#endif
+}
 
 }  // namespace

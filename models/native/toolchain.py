@@ -43,6 +43,9 @@ SOURCES = {
 HEADER_DIR = ROOT / "models" / "csrc"
 HEADERS = sorted(HEADER_DIR.glob("*.h"))
 FLAGS = ["-O3", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-DNDEBUG"]
+# Per library. paged_attention: its decode and its prefill tile must round alike, row for row (batch
+# invariance), so only the multiply-adds it spells out (simd.h fmadd) are fused, never the compiler's choice
+SOURCE_FLAGS = {"paged_attention": ["-ffp-contract=off"]}
 # x86-64-v3 is AVX2 + FMA + F16C + BMI; -v4 adds AVX-512 F/BW/CD/DQ/VL. The portable build has
 # no -march at all: the compiler's baseline (SSE2 on x86-64, NEON on aarch64).
 ISA_FLAGS = {
@@ -72,8 +75,12 @@ def _version_of(compiler: str) -> str:
     return out.splitlines()[0] if out else compiler
 
 
+def flags(name: str, isa: str) -> list[str]:
+    return FLAGS + SOURCE_FLAGS.get(name, []) + ISA_FLAGS[isa]
+
+
 def library_path(name: str, isa: str) -> Path:
-    key = hashlib.sha256("\0".join([SOURCES[name].read_text(), *(h.read_text() for h in HEADERS), " ".join(FLAGS + ISA_FLAGS[isa]), torch.__version__,
+    key = hashlib.sha256("\0".join([SOURCES[name].read_text(), *(h.read_text() for h in HEADERS), " ".join(flags(name, isa)), torch.__version__,
                                     compiler_version(), sys.version]).encode()).hexdigest()[:16]
     return cache_dir() / "native" / f"{name}-{isa}-{key}.so"
 
@@ -84,7 +91,7 @@ def command(name: str, isa: str, out: Path) -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f"-I{p}" for p in [HEADER_DIR, *include_paths(), sysconfig.get_paths()["include"]]]
     libs = [f"-L{p}" for p in library_paths()]
-    return [_compiler(), *FLAGS, *ISA_FLAGS[isa], f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCES[name]),
+    return [_compiler(), *flags(name, isa), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCES[name]),
             "-o", str(out), *libs, "-lc10", "-ltorch_cpu", "-ltorch"]
 
 
