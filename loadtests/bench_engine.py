@@ -60,6 +60,7 @@ from models import load_tokenizer, resolve_model  # noqa: E402
 from models.loader import parse_dtype, serving_dtype  # noqa: E402
 from models.native.cpu_features import machine_isa  # noqa: E402
 from models.native.cpu_path import ACTIVATIONS, DTYPES, QUANTIZATIONS  # noqa: E402
+from models.native.memory import l3_bytes  # noqa: E402
 from server.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 SYSTEMS = ("attnserve", "attnserve_eager", "attnserve_exact", "attnserve_fp8", "attnserve_int8", "attnserve_int4", "vllm", "vllm_default", "llamacpp", "hf_generate",
@@ -84,16 +85,31 @@ def step_workload(args, vocab: int) -> dict:
             "prefill_prompt": make_prompts(1, args.prefill_tokens, args.prefill_tokens, vocab, seed=99)[0]}
 
 
-def copy_bandwidth() -> float:
-    """Memory traffic of a 512 MiB copy, read + write bytes per second (median of 5)."""
-    src = torch.ones(128 * 2**20, dtype=torch.float32)
+def copy_bandwidth(nbytes: int, copies: int = 6) -> float:
+    """Memory traffic of copying `nbytes`, read + write bytes per second (median of the copies after the first)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     times = []
-    for _ in range(6):
+    for _ in range(copies):
         t = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - t)
     return 2 * src.nbytes / statistics.median(times[1:])
+
+
+def roofline(weight_bytes: int) -> dict:
+    """Batch-1 decode reads every weight once a token: its roofline is the weights' bytes at the bandwidth
+    of the level they live in. DRAM's copy bandwidth is measured on buffers 4x the L3 (512 MiB at least),
+    so that no level of cache serves it; where the weights fit in the L3 (an AMX Xeon's 480 MiB holds the
+    default model), a copy as big as the weights (within half the L3: source and destination both stay)
+    measures the L3's instead, and that is the roofline."""
+    l3 = l3_bytes()
+    dram = copy_bandwidth(max(512 * 2**20, 4 * (l3 or 0)))
+    fits = l3 is not None and weight_bytes <= l3 // 2
+    bandwidth = copy_bandwidth(weight_bytes, copies=21) if fits else dram
+    return {"l3_bytes": l3, "weights_fit_l3": fits, "roofline_level": "L3" if fits else "DRAM",
+            "copy_bandwidth_gb_s": bandwidth / 1e9, "dram_bandwidth_gb_s": dram / 1e9,
+            "roofline_tokens_per_s": bandwidth / weight_bytes}
 
 
 def _linears(model: torch.nn.Module):
@@ -164,12 +180,10 @@ def bench_attnserve(args, prompts, steps, eager: bool = False, kv_cache_dtype: s
     timings = step_timings(_adapter(engine), steps, args.repeats)
     if args.profile:
         profile_decode(engine, steps)
-    bw = copy_bandwidth()
     wbytes = streamed_weight_bytes(engine.model)
     return {"output_tokens_per_s": statistics.median(runs), "ttft_p50_s": statistics.median(ttfts),
             "runs_tokens_per_s": runs, **timings, "startup_s": startup,
-            "compile_s": getattr(engine.runner, "compile_seconds", 0.0), "roofline_tokens_per_s": bw / wbytes,
-            "weight_bytes": wbytes, "copy_bandwidth_gb_s": bw / 1e9,
+            "compile_s": getattr(engine.runner, "compile_seconds", 0.0), **roofline(wbytes), "weight_bytes": wbytes,
             "cpu_path": f"{engine.cpu_path.describe()} step={getattr(engine.runner, 'step', '?')}",
             "resident_weight_bytes": engine.model.weight_bytes(), "quantization": engine.model.quantization,
             "prefill_flops": prefill_flops(engine.model, len(steps["prefill_prompt"]))}
@@ -233,25 +247,56 @@ def bench_vllm(args, prompts, steps, default_binding: bool = False) -> dict:
         return json.loads(out.read_text())
 
 
-def bench_llamacpp(args) -> dict:
-    """llama-bench: batch-1 decode of 128 tokens and a prefill of --prefill-tokens, medians of --repeats."""
-    bench = Path(args.llama_bench or ROOT / ".peers" / f"llama.cpp-{llama_cpp_isa()}" / "bin" / "llama-bench")
-    gguf = Path(args.gguf or served_gguf(args) or ROOT / ".peers" / "smollm2-135m-instruct-bf16.gguf")
-    for need in (bench, gguf):
-        if not need.exists():
-            return {"skipped": f"{need} not found: run `make peers` (LLAMA_CPP_ISA=avx2 for an AVX2 build)"}
-    cmd = [str(bench), "-m", str(gguf), "-t", str(args.threads), "-p", str(args.prefill_tokens), "-n", "128",
+def llama_cpp_builds(args) -> list[Path]:
+    """The llama-bench builds to try, in order: --llama-bench's, else this run's `make peers` build and
+    then the AVX-512 build without AMX where `make peers` made one (on AMX CPUs: the native build's tile
+    code faults on quantized prefill there)."""
+    if args.llama_bench:
+        return [Path(p) for p in args.llama_bench.split(",")]
+    builds = [ROOT / ".peers" / f"llama.cpp-{isa}" / "bin" / "llama-bench" for isa in (llama_cpp_isa(), "avx512")]
+    return [builds[0]] + [b for b in builds[1:] if b.exists() and b != builds[0]]
+
+
+def run_llama_bench(bench: Path, gguf: Path, args, prompt: int, gen: int) -> dict | str:
+    """One llama-bench test (a prefill of `prompt` tokens, or `gen` decoded ones): its row, or why not."""
+    cmd = [str(bench), "-m", str(gguf), "-t", str(args.threads), "-p", str(prompt), "-n", str(gen),
            "-r", str(max(args.repeats, 3)), "-o", "json"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"skipped": f"llama-bench failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"}
-    rows = json.loads(proc.stdout)
-    tg = next(r for r in rows if r["n_gen"] > 0)
-    pp = next(r for r in rows if r["n_prompt"] > 0)
+        how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+        return f"{bench} failed ({how}): {proc.stderr.strip().splitlines()[-1:]}"
+    return json.loads(proc.stdout)[0]
+
+
+def bench_llamacpp(args) -> dict:
+    """llama-bench: batch-1 decode of 128 tokens and a prefill of --prefill-tokens, medians of --repeats;
+    each from the first build that runs it, and named."""
+    builds = llama_cpp_builds(args)
+    gguf = Path(args.gguf or served_gguf(args) or ROOT / ".peers" / "smollm2-135m-instruct-bf16.gguf")
+    for need in (builds[0], gguf):
+        if not need.exists():
+            return {"skipped": f"{need} not found: run `make peers` (LLAMA_CPP_ISA=avx2 for an AVX2 build)"}
+    found, failures = {}, []
+    for test, prompt, gen in (("decode", 0, 128), ("prefill", args.prefill_tokens, 0)):
+        for bench in builds:
+            row = run_llama_bench(bench, gguf, args, prompt, gen)
+            if isinstance(row, dict):
+                found[test] = (row, bench)
+                break
+            failures.append(row)
+    if len(found) < 2:
+        return {"skipped": "llama-bench: " + "; ".join(failures)}
+    (tg, decode_build), (pp, prefill_build) = found["decode"], found["prefill"]
     decode = statistics.median(tg["samples_ts"])
     return {"batch1_tokens_per_s": decode, "step_ms": {"1": 1000 / decode},
-            "prefill_s": args.prefill_tokens / statistics.median(pp["samples_ts"]), "build": str(bench),
-            "gguf": str(gguf), "cpu_info": tg.get("cpu_info", "")}
+            "prefill_s": args.prefill_tokens / statistics.median(pp["samples_ts"]), "build": str(decode_build),
+            "decode_build": build_name(decode_build), "prefill_build": build_name(prefill_build),
+            "failures": failures, "gguf": str(gguf), "cpu_info": tg.get("cpu_info", "")}
+
+
+def build_name(bench: Path) -> str:
+    """.peers/llama.cpp-native/bin/llama-bench -> native"""
+    return bench.parent.parent.name.removeprefix("llama.cpp-")
 
 
 def served_gguf(args) -> Path | None:
@@ -354,12 +399,17 @@ def print_table(args, results: dict) -> None:
             row += f"{b1:>14.1f}" + "".join(f"{r['step_ms'][b]:>12.1f}" if b in r["step_ms"] else f"{'-':>12}"
                                              for b in map(str, STEP_BATCHES))
             row += f"{flops / r['prefill_s'] / 1e9:>16.0f}" if flops else ""
+        if "decode_build" in r:  # llama.cpp: which build each figure came from
+            row += f"  (llama.cpp builds: decode {r['decode_build']}, prefill {r['prefill_build']})"
         print(row)
     if ours:
         b1 = 1000 / ours["step_ms"]["1"]
+        l3 = f"{ours['l3_bytes'] / 2**20:.0f} MiB" if ours["l3_bytes"] else "unknown"
         print(f"attnserve batch-1 decode: {b1:.1f} tok/s = {b1 / ours['roofline_tokens_per_s']:.0%} of the roofline "
               f"{ours['roofline_tokens_per_s']:.1f} tok/s ({ours['weight_bytes'] / 1e6:.0f} MB of weights at "
-              f"{ours['copy_bandwidth_gb_s']:.1f} GB/s copy bandwidth); engine start {ours['startup_s']:.1f} s "
+              f"{ours['copy_bandwidth_gb_s']:.1f} GB/s, the {ours['roofline_level']}'s copy bandwidth; L3 {l3}, the "
+              f"weights {'fit' if ours['weights_fit_l3'] else 'do not fit'}; DRAM {ours['dram_bandwidth_gb_s']:.1f} GB/s)"
+              f"\nengine start {ours['startup_s']:.1f} s "
               f"(compile / load of the compiled step {ours['compile_s']:.1f} s)\nattnserve path: {ours['cpu_path']}")
     if "startup" in results.get("attnserve", {}):
         s = ours["startup"]
@@ -389,7 +439,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     ap.add_argument("--repeats", type=int, default=1, help="runs per system; medians are reported")
     ap.add_argument("--peers-venv", default=str(ROOT / ".venv-peers"), help="where `make peers` put vLLM")
-    ap.add_argument("--llama-bench", help="llama-bench binary (default: the one `make peers` built for this run's ISA)")
+    ap.add_argument("--llama-bench", help="llama-bench binaries to try in order, comma-separated (default: the one "
+                    "`make peers` built for this run's ISA, then its AVX-512 build without AMX where there is one)")
     ap.add_argument("--gguf", help="GGUF for llama.cpp (default: the bf16 one `make peers` wrote)")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of attnserve decode steps")
     ap.add_argument("--startup", action="store_true", help="also time attnserve's start with a cold and a warm cache")

@@ -78,10 +78,10 @@ PEERS_VENV = ROOT / ".venv-peers"
 def peer_isa_env() -> dict[str, str]:
     """Where this run is capped below the CPU's own level (ATTNSERVE_CPU_ISA), the same cap for a
     peer's processes: torch's and oneDNN's caps, and loadtests/peer_isa for its feature checks."""
-    from models.native.cpu_features import choose_isa, read_cpu_features, torch_isa_env
+    from models.native.cpu_features import machine_isa, read_cpu_features, torch_isa_env
 
     features = read_cpu_features()
-    isa = choose_isa(features)
+    isa = machine_isa()
     if isa == features.isa:
         return {}
     path = os.pathsep.join(filter(None, [str(ROOT / "loadtests" / "peer_isa"), os.environ.get("PYTHONPATH")]))

@@ -7,6 +7,9 @@
 * `panels`: bf16 weights kept bf16, in panels (models/csrc/linear.cpp): widened to fp32 in
   registers for fp32 activations (half the bytes of fp32 weights per decode step, exactly the fp32
   results), multiplied as bf16 pairs for bf16 activations on AVX512-BF16.
+* `amx-bf16`: the same oneDNN packed matmuls in bf16 at the amx level, where oneDNN runs them on
+  AMX's tiles (measured on an AMX Xeon: faster than our panels at every M, 1.5x at one token and 10x
+  at 512; docs/benchmarks.md, "A third kind of machine").
 * `torch`: `F.linear` as it is.
 
 Inductor can use oneDNN's kernels only on frozen weights, and freezing defeats its on-disk
@@ -23,7 +26,7 @@ from models.native.cpu_path import INT8_KERNELS, CpuCapabilities, CpuPath, choos
 from models.native.libraries import load
 from models.quant_linear import QuantLinear
 
-LINEAR_PATHS = ("onednn", "panels", "torch")
+LINEAR_PATHS = ("onednn", "amx-bf16", "panels", "torch")
 
 _LIB = torch.library.Library("attnserve", "FRAGMENT")
 _LIB.define("panel_linear(Tensor x, Tensor packed, Tensor? bias, SymInt out_features) -> Tensor")
@@ -76,7 +79,7 @@ class PanelLinear(nn.Module):
         return torch.ops.attnserve.panel_linear(x, self.packed, self.bias, self.out_features)
 
 
-_SWAPS = {"onednn": PackedLinear, "panels": PanelLinear}
+_SWAPS = {"onednn": PackedLinear, "amx-bf16": PackedLinear, "panels": PanelLinear}
 
 
 def pack_linears(model: nn.Module, path: str) -> int:

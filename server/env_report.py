@@ -10,17 +10,18 @@ from importlib import metadata
 import torch
 
 from kvcache import ops
-from models.native.cpu_features import ISA_LEVELS, choose_isa, isa_cap, read_cpu_features
+from models.native.cpu_features import ISA_LEVELS, amx_listed, isa_cap, machine_isa, read_cpu_features
 from models.native.cpu_path import ACTIVATIONS, DTYPES, INT8_KERNELS, choose_cpu_path, int8_code_bits
 from models.native.probe import detect
-from models.native.toolchain import SOURCES, compiler_version, library_path
+from models.native.tiles import tile_grant
+from models.native.toolchain import BUILD_LEVEL, SOURCES, compiler_version, library_path
 from server.engine.compilation import inductor_cache_dir
 
 ENV_VARS = ("ATTNSERVE_CPU_ISA", "ATTNSERVE_NATIVE", "ATTNSERVE_CACHE_DIR", "ATEN_CPU_CAPABILITY",
             "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR", "CXX")
 # Flags that decide a level or a kernel; the whole list is in the report too
 KEY_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-             "avx512_vnni", "avx_vnni", "avx_ne_convert", "amx_bf16", "amx_int8", "asimd", "sve", "bf16", "i8mm")
+             "avx512_vnni", "avx_vnni", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16", "i8mm")
 
 
 def _version(dist: str) -> str:
@@ -39,11 +40,11 @@ def _onednn_version(torch) -> str:
 
 def collect() -> dict:
     features = read_cpu_features()
-    isa = choose_isa(features)
+    isa = machine_isa()
     caps = detect("cpu")
     try:
         compiler = compiler_version()
-        paths = {name: library_path(name, isa) for name in SOURCES}
+        paths = {name: library_path(name, BUILD_LEVEL.get(isa, isa)) for name in SOURCES}
         libraries = {name: {"path": str(path), "built": path.exists()} for name, path in paths.items()}
     except RuntimeError as e:
         compiler, libraries = f"none ({e})", {}
@@ -61,7 +62,8 @@ def collect() -> dict:
         "platform": platform.platform(),
         "cpu": {"model": features.model, "arch": features.arch, "cores": os.cpu_count(),
                 "key_flags": sorted(f for f in KEY_FLAGS if f in features.flags), "flags": sorted(features.flags)},
-        "isa": {"cpu_level": features.isa, "cap": isa_cap(), "chosen": isa, "levels": list(ISA_LEVELS)},
+        "isa": {"cpu_level": features.isa, "cap": isa_cap(), "chosen": isa, "levels": list(ISA_LEVELS),
+                "amx_tiles": str(tile_grant()) if amx_listed(features) else "not listed"},
         "torch": {"version": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                   "onednn": _onednn_version(torch),
                   "onednn_packs": sorted(caps.onednn_dtypes), "num_threads": torch.get_num_threads(),
@@ -81,7 +83,7 @@ def render(report: dict) -> str:
         f"attnserve {report['attnserve']}, Python {report['python']}, {report['platform']}",
         f"CPU: {cpu['model']} ({cpu['arch']}, {cpu['cores']} cores)",
         f"  flags that matter: {' '.join(cpu['key_flags']) or '-'}",
-        f"ISA level: CPU {isa['cpu_level']}, cap {isa['cap']} -> {isa['chosen']}",
+        f"ISA level: CPU {isa['cpu_level']}, cap {isa['cap']} -> {isa['chosen']} (AMX tiles: {isa['amx_tiles']})",
         f"torch {torch_['version']} (capability {torch_['cpu_capability']}, CUDA {torch_['cuda']}), "
         f"oneDNN {torch_['onednn']} packs {', '.join(torch_['onednn_packs']) or 'nothing'}, "
         f"{torch_['num_threads']} threads",

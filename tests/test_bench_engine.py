@@ -6,6 +6,7 @@ import json
 import pytest
 
 from loadtests.bench_engine import STEP_BATCHES, main
+from models.native.memory import l3_bytes
 
 
 @pytest.mark.slow  # ~90 s: six systems, a profile, a cold and a warm start
@@ -26,6 +27,10 @@ def test_bench_engine_quick_run(tiny_checkpoints, tmp_path, capsys):
         assert set(row["step_ms"]) == {str(b) for b in STEP_BATCHES} and min(row["step_ms"].values()) > 0
         assert row["prefill_s"] > 0 and row["roofline_tokens_per_s"] > 0 and row["prefill_flops"] > 0
     assert data["attnserve"]["compile_s"] > 0 and data["attnserve_eager"]["compile_s"] == 0
+    ours = data["attnserve"]  # the roofline against the level the weights live in
+    assert ours["l3_bytes"] == l3_bytes() and ours["dram_bandwidth_gb_s"] > 0
+    assert ours["weights_fit_l3"] == (ours["l3_bytes"] is not None and ours["weight_bytes"] <= ours["l3_bytes"] // 2)
+    assert ours["roofline_level"] == ("L3" if ours["weights_fit_l3"] else "DRAM")
     startup = data["attnserve"]["startup"]
     assert startup["cold"] > 0 and startup["warm"] > 0
     # a new process with an empty compile cache compiles; the next loads what it left, compiling nothing
@@ -33,6 +38,7 @@ def test_bench_engine_quick_run(tiny_checkpoints, tmp_path, capsys):
     assert startup["cache"]["warm"]["hits"] >= 1 and startup["cache"]["warm"]["misses"] == 0
     table = capsys.readouterr().out
     assert "hf_generate_batch" in table and "of the roofline" in table and "prefill GFLOP/s" in table
+    assert f"the {ours['roofline_level']}'s copy bandwidth; L3 " in table
     assert "skipped:" in table and "make peers" in table
     assert "batch-1 decode profile" in table and "batch-32 decode profile" in table and "Self CPU time total" in table
     assert "cold compile cache" in table and "graphs compiled" in table and "attnserve path: device=cpu isa=" in table
@@ -110,3 +116,42 @@ def test_bench_window_quick_run(tiny_checkpoints, tmp_path, capsys):
         assert min(r["step_ms"].values()) > 0 and r["prefill_s"] > 0 and r["length"] == 96
     table = capsys.readouterr().out
     assert "window 24, sequences of 96 tokens" in table and "alternate" in table
+
+
+FAKE_LLAMA_BENCH = """#!/bin/sh
+# llama-bench as `make peers` builds it: {crash} crashes on prefill (SIGILL, as the native build's AMX code
+# in a VM that refuses the tiles), else one JSON row for the test asked for
+case " $* " in *" -p 0 "*) prompt=0 ;; *) prompt=1 ;; esac
+if [ "$prompt" = 1 ] && [ "{crash}" = yes ]; then echo "invalid opcode" >&2; kill -ILL $$; fi
+if [ "$prompt" = 1 ]; then echo '[{{"n_prompt": 512, "n_gen": 0, "samples_ts": [{pp}, {pp}, {pp}]}}]'
+else echo '[{{"n_prompt": 0, "n_gen": 128, "samples_ts": [{tg}, {tg}, {tg}], "cpu_info": "fake"}}]'; fi
+"""
+
+
+def test_llamacpp_figures_come_from_the_first_build_that_runs_them(tmp_path):
+    """The native build decodes but crashes on prefill: the prefill comes from the AVX-512 build without
+    AMX, and each figure names its build; a build that runs both takes both."""
+    import argparse
+
+    from loadtests.bench_engine import bench_llamacpp
+
+    builds = {}
+    for name, crash, tg, pp in (("native", "yes", 200.0, 0), ("avx512", "no", 90.0, 300.0)):
+        bench = tmp_path / f"llama.cpp-{name}" / "bin" / "llama-bench"
+        bench.parent.mkdir(parents=True)
+        bench.write_text(FAKE_LLAMA_BENCH.format(crash=crash, tg=tg, pp=pp))
+        bench.chmod(0o755)
+        builds[name] = bench
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    args = argparse.Namespace(llama_bench=f"{builds['native']},{builds['avx512']}", gguf=str(gguf), threads=2,
+                              prefill_tokens=512, repeats=3)
+    row = bench_llamacpp(args)
+    assert (row["decode_build"], row["prefill_build"]) == ("native", "avx512")
+    assert row["batch1_tokens_per_s"] == 200.0 and row["prefill_s"] == pytest.approx(512 / 300.0)
+    assert len(row["failures"]) == 1 and "failed (signal 4)" in row["failures"][0]
+    args.llama_bench = str(builds["avx512"])
+    row = bench_llamacpp(args)
+    assert (row["decode_build"], row["prefill_build"], row["failures"]) == ("avx512", "avx512", [])
+    args.llama_bench = str(builds["native"])  # no build prefills: skipped, saying why
+    assert "failed (signal 4)" in bench_llamacpp(args)["skipped"]

@@ -44,6 +44,9 @@ CPUS = {  # /proc/cpuinfo of each kind of CPU, and its level
     "zen4": (cpuinfo("AMD EPYC 9R14", f"{BASE} {V3} {V4} avx512_bf16 avx512_vnni avx512ifma"), "avx512_bf16"),
     "epyc_avx2": (cpuinfo("AMD EPYC 7R13", f"{BASE} {V3} sha_ni clzero"), "avx2"),
     "skylake_x": (cpuinfo("Intel(R) Xeon(R) Platinum 8175M", f"{BASE} {V3} {V4} avx512_vnni"), "avx512"),
+    # lists AMX: the level once the kernel grants the tiles (choose_isa's `tiles`)
+    "sapphire_rapids": (cpuinfo("Intel(R) Xeon(R) Platinum 8488C", f"{BASE} {V3} {V4} avx512_bf16 avx512_vnni avx_vnni "
+                                "amx_bf16 amx_tile amx_int8"), "amx"),
     "avx_only": (cpuinfo("Intel(R) Xeon(R) CPU E5-2670", f"{BASE} avx"), "generic"),
     "avx2_no_fma": (cpuinfo("odd", f"{BASE} avx avx2 f16c bmi1 bmi2 movbe abm"), "generic"),
 }
@@ -74,7 +77,7 @@ def test_caps_lower_the_level_and_never_raise_it():
     zen4, avx2 = features("zen4"), features("epyc_avx2")
     assert choose_isa(zen4, {}) == "avx512_bf16" and choose_isa(avx2, {}) == "avx2"
     for cap in ISA_LEVELS:
-        assert choose_isa(zen4, {"ATTNSERVE_CPU_ISA": cap}) == cap
+        assert choose_isa(zen4, {"ATTNSERVE_CPU_ISA": cap}) == min(cap, "avx512_bf16", key=ISA_LEVELS.index)
         assert choose_isa(avx2, {"ATTNSERVE_CPU_ISA": cap}) == min(cap, "avx2", key=ISA_LEVELS.index)
     # torch's and oneDNN's own caps count too (the way machine.md tests the lower path)
     assert choose_isa(zen4, {"ATEN_CPU_CAPABILITY": "avx2"}) == "avx2"
@@ -93,13 +96,124 @@ def test_torch_and_onednn_follow_the_level():
     assert torch_isa_env("avx2", zen4) == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     assert torch_isa_env("generic", zen4) == {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}
     assert torch_isa_env("avx512_bf16", zen4)["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
+    spr = features("sapphire_rapids")
     for level in ISA_LEVELS:  # every level's env reads back as that level
-        assert choose_isa(zen4, torch_isa_env(level, zen4)) == level
+        assert choose_isa(spr, torch_isa_env(level, spr), tiles=True) == level
+        if level != "amx":
+            assert choose_isa(zen4, torch_isa_env(level, zen4)) == level
     assert capped_march("avx512_bf16", zen4) is None  # the CPU's own level: inductor's -march=native
     assert capped_march("avx2", zen4) == "x86-64-v3" and capped_march("generic", zen4) == "x86-64"
 
 
+def test_amx_counts_only_once_the_tiles_are_granted():
+    """A CPU listing AMX is at the amx level only where the kernel granted its tiles; any cap below
+    turns AMX off (torch's and oneDNN's too), and oneDNN's own AMX cap reads back as the level."""
+    spr = features("sapphire_rapids")
+    assert spr.isa == "amx"
+    assert choose_isa(spr, {}, tiles=True) == "amx" and choose_isa(spr, {}, tiles=False) == "avx512_bf16"
+    assert choose_isa(spr, {"ATTNSERVE_CPU_ISA": "avx512_bf16"}, tiles=True) == "avx512_bf16"
+    assert choose_isa(spr, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, tiles=True) == "amx"
+    assert choose_isa(spr, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, tiles=True) == "avx512_bf16"
+    assert torch_isa_env("amx", spr) == {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}
+    assert cpu_features.amx_listed(spr, {}) and cpu_features.amx_listed(spr, {"ATTNSERVE_CPU_ISA": "amx"})
+    assert not cpu_features.amx_listed(spr, {"ATTNSERVE_CPU_ISA": "avx512_bf16"})  # capped: never asked
+    assert not cpu_features.amx_listed(features("zen4"), {})
+
+
+def fake_arch_prctl(supported: int, request: int, permitted: int):
+    """arch_prctl as a kernel would answer it: the XCR0 mask, the request's errno (0: granted), the mask
+    granted after."""
+    from models.native import tiles
+
+    def call(code, arg):
+        if code == tiles.ARCH_GET_XCOMP_SUPP:
+            arg.value = supported
+        elif code == tiles.ARCH_REQ_XCOMP_PERM:
+            return (0, 0) if request == 0 else (-1, request)
+        elif code == tiles.ARCH_GET_XCOMP_PERM:
+            arg.value = permitted
+        return 0, 0
+    return call
+
+
+TILE_STATE = 1 << 17 | 1 << 18  # XTILECFG, XTILEDATA
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="arch_prctl is x86-64 Linux's")
+def test_tile_requests_as_each_kernel_answers(monkeypatch, tmp_path):
+    """Granted (and a tile operation ran in a child), refused by XCR0, refused by the request, and a
+    permission granted whose first tile operation faults: only the first is AMX."""
+    import errno
+
+    from models.native import tiles
+
+    monkeypatch.setattr(tiles, "_arch_prctl", fake_arch_prctl(TILE_STATE, 0, TILE_STATE))
+    assert tiles.request_tiles().granted
+    monkeypatch.setattr(tiles, "_arch_prctl", fake_arch_prctl(1 << 17, 0, 0))
+    assert "XCR0" in str(tiles.request_tiles()) and not tiles.request_tiles().granted
+    monkeypatch.setattr(tiles, "_arch_prctl", fake_arch_prctl(TILE_STATE, errno.EPERM, 0))
+    refused = tiles.request_tiles()
+    assert not refused.granted and "refused the tile permission" in str(refused)
+    monkeypatch.setattr(tiles, "_arch_prctl", fake_arch_prctl(TILE_STATE, 0, 0))
+    assert "not granted" in str(tiles.request_tiles())
+    faulting = tmp_path / "probe"  # a child that dies on its first tile instruction, as such a VM's do
+    faulting.write_text("#!/bin/sh\nkill -ILL $$\n")
+    faulting.chmod(0o755)
+    monkeypatch.setattr(tiles, "_probe_binary", lambda: faulting)
+    probe = tiles.run_tile_probe()
+    assert not probe.granted and "faulted in a child process (signal 4)" in str(probe)
+    monkeypatch.undo()  # this machine's own kernel: never tiles for a CPU without them
+    if not tiles.AMX_FLAGS <= cpu_features.read_cpu_features().flags:
+        assert not tiles.request_tiles().granted
+
+
+REFUSED_RUN = """
+import dataclasses, errno, json, logging, sys
+import models.native.cpu_features as cf
+import models.native.tiles as tiles
+real = cf.read_cpu_features()
+cf.read_cpu_features = lambda: dataclasses.replace(real, flags=real.flags | tiles.AMX_FLAGS)
+def deny(code, arg):  # a kernel that supports the tile state but refuses this process
+    if code == tiles.ARCH_GET_XCOMP_SUPP:
+        arg.value = 1 << 17 | 1 << 18
+        return 0, 0
+    return (-1, errno.EPERM) if code == tiles.ARCH_REQ_XCOMP_PERM else (0, 0)
+tiles._arch_prctl = deny
+logging.basicConfig(level=logging.WARNING)
+isa = cf.apply_isa_cap()
+import os
+from server.engine import EngineConfig, LLMEngine, SamplingParams
+engine = LLMEngine(EngineConfig(model=sys.argv[1], kv_cache_memory=None, num_blocks=64))
+out = engine.generate([engine.tokenizer.encode("The capital of France is")],
+                      SamplingParams(max_tokens=8, temperature=0))[0][0]
+print(json.dumps({"isa": isa, "path": engine.cpu_path.describe(), "text": out.text,
+                  "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA", "")}))
+"""
+
+
+def test_amx_listed_but_refused_serves_on_the_level_below(default_model_dir):
+    """End to end: a CPU that lists AMX (faked on top of this one's flags) whose kernel refuses the
+    tiles: one warning saying so, the level below (oneDNN capped off its tiles where it would have
+    found them), and the default model answers."""
+    from models.native import tiles
+
+    listed = cpu_features.read_cpu_features()
+    listed = CpuFeatures(listed.arch, listed.model, listed.flags | tiles.AMX_FLAGS)
+    env = {k: v for k, v in os.environ.items() if k not in ("ATTNSERVE_CPU_ISA", "ONEDNN_MAX_CPU_ISA",
+                                                            "ATEN_CPU_CAPABILITY")}
+    proc = subprocess.run([sys.executable, "-c", REFUSED_RUN, str(default_model_dir)], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert "lists AMX but the kernel refused the tile permission (Operation not permitted)" in proc.stderr
+    assert result["isa"] == choose_isa(listed, {}, tiles=False) != "amx"
+    assert f"isa={result['isa']}" in result["path"]
+    assert result["onednn"] == ("AVX512_CORE_BF16" if listed.isa == "amx" else "")
+    assert result["text"].strip()
+
+
 ZEN4 = CpuCapabilities("avx512_bf16", frozenset({"float32", "bfloat16"}), True, "native-avx512_bf16")
+AMX = CpuCapabilities("amx", frozenset({"float32", "bfloat16"}), True, "native-amx")  # tiles granted
 ZEN4_NO_COMPILER = CpuCapabilities("avx512_bf16", frozenset({"float32", "bfloat16"}), False, "sdpa")
 AVX2 = CpuCapabilities("avx2", frozenset({"float32"}), True, "native-avx2")
 AVX512 = CpuCapabilities("avx512", frozenset({"float32", "bfloat16"}), True, "native-avx512")  # oneDNN emulates bf16
@@ -109,6 +223,9 @@ GENERIC = CpuCapabilities("generic", frozenset({"float32"}), True, "native-gener
 # (capabilities, requested, checkpoint dtype, weights are bf16 values) -> (dtype, weights, linear, note?)
 CHOICES = [
     (ZEN4, "auto", "bfloat16", True, ("bfloat16", "bfloat16", "panels", False)),
+    (AMX, "auto", "bfloat16", True, ("bfloat16", "bfloat16", "amx-bf16", False)),
+    (AMX, "float32", "bfloat16", True, ("float32", "bfloat16", "panels", False)),
+    (AMX, "auto", "float32", False, ("float32", "float32", "onednn", False)),
     (ZEN4_NO_COMPILER, "auto", "bfloat16", True, ("bfloat16", "bfloat16", "onednn", False)),
     (ZEN4, "float32", "bfloat16", True, ("float32", "bfloat16", "panels", False)),
     (ZEN4, "auto", "float32", False, ("float32", "float32", "onednn", False)),
@@ -137,23 +254,23 @@ def test_path_choice(caps, requested, source, fits, expected):
 
 # (capabilities, --activations) -> the code widths whose linears take int8 activations
 ACTIVATION_CHOICES = [
-    (ZEN4, "auto", {4}), (AVX512, "auto", {4}), (AVX2, "auto", {4}), (GENERIC, "auto", set()),
+    (ZEN4, "auto", {4, 8}), (AMX, "auto", {4, 8}), (AVX512, "auto", {4}), (AVX2, "auto", {4}), (GENERIC, "auto", set()),
     (ZEN4, "int8", {4, 8}), (GENERIC, "int8", {4, 8}), (ZEN4, "exact", set()), (AVX2, "exact", set()),
 ]
 
 
 @pytest.mark.parametrize("caps,requested,expected", ACTIVATION_CHOICES)
 def test_int8_activations_choice(caps, requested, expected):
-    """auto: int8 for 4-bit codes where an integer dot product is measured faster (no 8-bit codes:
-    no faster at batch 1), exact on the portable build; an explicit switch holds everywhere."""
+    """auto: int8 where an integer dot product is measured faster: 4-bit codes, and 8-bit ones with VNNI
+    (without it 0.8x at batch 1); exact on the portable build; an explicit switch holds everywhere."""
     assert int8_code_bits(caps, requested) == frozenset(expected)
 
 
 def test_int8_activations_reject_unknown_modes_and_name_each_levels_kernel():
     with pytest.raises(ValueError, match="activations must be one of auto, exact, int8"):
         int8_code_bits(ZEN4, "fp8")
-    assert INT8_KERNELS == {"avx512_bf16": "int8-vnni", "avx512": "int8-avx512", "avx2": "int8-avx2",
-                            "generic": "int8-portable"}
+    assert INT8_KERNELS == {"amx": "int8-vnni", "avx512_bf16": "int8-vnni", "avx512": "int8-avx512",
+                            "avx2": "int8-avx2", "generic": "int8-portable"}
     assert set(INT8_KERNELS) == set(ISA_LEVELS)
 
 
@@ -166,8 +283,10 @@ def test_no_choice_runs_what_the_machine_refuses():
                                                                  ("float32", "bfloat16"), (True, False)):
         caps = CpuCapabilities(isa, onednn, panels)
         path = choose_cpu_path(caps, requested, source, fits, 1)
-        if path.linear == "onednn":
+        if path.linear in ("onednn", "amx-bf16"):
             assert path.dtype in onednn and path.weight_dtype == path.dtype
+        if path.linear == "amx-bf16":
+            assert isa == "amx" and path.dtype == "bfloat16"
         if path.linear == "panels":
             assert panels and path.weight_dtype == "bfloat16"
         if path.weight_dtype != path.dtype:
@@ -177,6 +296,36 @@ def test_no_choice_runs_what_the_machine_refuses():
         assert path.dtype == resolve_dtype(caps, requested, source)
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_dtype(ZEN4, "float16", "bfloat16")
+
+
+def test_l3_size_from_sysfs(tmp_path):
+    """bench_engine's roofline level: the L3 as Linux lists it (index3 here; levels 1 and 2 skipped)."""
+    from models.native.memory import l3_bytes, parse_cache_size
+
+    for index, (level, size) in enumerate([("1", "48K"), ("2", "2048K"), ("3", "491520K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(level + "\n")
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert l3_bytes(tmp_path) == 480 * 2**20
+    assert parse_cache_size("32M") == 32 * 2**20 and parse_cache_size("1G") == 2**30
+    assert l3_bytes(tmp_path / "none") is None
+
+
+def test_amx_bf16_linears_are_onednns_packed_matmuls():
+    """The amx level's bf16 linears: oneDNN's packed matmul (on the tiles where the CPU has them; on
+    this CPU its own kernels), the onednn path's module, its outputs those of F.linear in bf16."""
+    import torch
+
+    from models.cpu_linear import PackedLinear, pack_linears
+
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False)).bfloat16()
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    with torch.no_grad():
+        expected = model(x).float()
+        assert pack_linears(model, "amx-bf16") == 2 and all(isinstance(m, PackedLinear) for m in model)
+        got = model(x).float()
+    assert got.dtype == torch.float32 and (got - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
 def test_off_the_cpu_auto_keeps_the_checkpoint_dtype():

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from models.native.libraries import load
 from models.quant_formats import quantize_rtn
 from models.quant_linear import QuantEmbedding, QuantLinear
-from tests.test_quant_linear import random_quantized
+from tests.test_quant_linear import assert_rows_alone, random_quantized
 
 pytestmark = pytest.mark.kernel
 
@@ -90,10 +90,7 @@ def test_a_row_is_the_same_bits_whatever_the_rows_beside_it(fmt, dtype):
     layer = QuantLinear(random_quantized(100, 1152, bits, group, scales, offsets, seed=5), torch.randn(100), dtype,
                         activations="int8")
     assert layer.int8_activations
-    x = torch.randn(64, 1152).to(dtype)
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(64)])
-    for m in range(1, 65):
-        assert torch.equal(layer(x[:m]), alone[:m]), m
+    assert_rows_alone(layer, dtype)
 
 
 def test_module_switch_and_what_falls_back():

@@ -57,8 +57,6 @@ constexpr int KEY_CHUNK = 16;
 constexpr int DECODE_CHUNKS = 4;  // chunks whose scores a decode takes at once
 alignas(64) constexpr float ZERO_ROW[HEAD_DIM_STEP * MAX_HEAD_DIM_STEPS] = {};  // a masked key's K row
 
-// x in every lane: a broadcast (`vf{} + x` would be an add: 0 + -0 is +0, so it cannot be folded away)
-inline vf splat(float x) { return __builtin_shuffle(vf{x}, vi{}); }
 
 inline vf load(const float* p) {
   vf v;

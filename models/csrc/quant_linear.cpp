@@ -12,13 +12,15 @@
 //   streams of W-byte loads ran at 4.5 GB/s, interleaved as one stream at 9-10 GB/s.
 //   scales, offsets: [panel][group][W], fp16 where every value is one (a GGUF's Q4_0, Q4_1, Q8_0,
 //   Q5_0, Q5_1: as few bytes as the file), else fp32; no offsets at all for symmetric formats.
-// Two ways through, by the number of rows of x:
-//   few rows (decode): codes widened to fp32 in registers, multiplied into per-group sums, each
-//   group's sum scaled once: sum_g scale * (x . code) + offset * sum(x over the group);
-//   more rows: each pair of panels is dequantized once into fp32 in cache, then multiplied by
-//   register tiles of many rows, so the widening is paid once per weight, not once per row. With
-//   bf16 activations on an AVX512-BF16 build the dequantized panels are rounded to bf16 pairs and
-//   multiplied with vdpbf16ps (twice fp32's rate), as a bf16 model's own weights are.
+// Two ways through, by the number of rows of x, with one formula, so that a row's result is the same
+// bit for bit whatever the number of rows (batch invariance: neither batching nor speculation changes a
+// greedy token): per group, x . code in two chains (k and k + 16, or even and odd k), their sum times
+// the group's scale, plus the group's sum of x times its offset: sum_g scale * (x . code) + offset * sum(x).
+//   few rows (decode): codes widened to fp32 in registers, straight from the packed bytes;
+//   more rows: each pair of panels has its codes widened once into fp32 in cache, then register tiles
+//   of several rows take the same steps, so the widening is paid once per weight, not once per row.
+// bf16 activations are widened to fp32 first. The library is built with -ffp-contract=off: only the
+// multiply-adds spelled out (fmadd) are fused, alike in both ways.
 #include <torch/library.h>
 
 #include <array>
@@ -28,12 +30,9 @@
 
 namespace {
 
-constexpr int MAX_ROWS = QUANT_MAX_ROWS;
 constexpr int DIRECT_ROWS = QUANT_CODE_ROWS;
-constexpr int64_t ROW_CHUNK = 64;  // x rows per dequantized pair of panels (the pair stays in L2)
-constexpr int64_t DIRECT_MAX_M = 8;  // up to this many rows of x: code tiles (measured: AVX2 and AVX-512); above: dequantize
-
-constexpr int64_t BF16_DOT_MIN_M = DIRECT_MAX_M;  // bf16 x on AVX512-BF16: bf16 tiles above this many rows (measured: dequantizing costs as much as 8-16 rows of code tiles)
+constexpr int64_t ROW_CHUNK = 64;  // x rows per widened pair of panels (the pair stays in L2)
+constexpr int64_t DIRECT_MAX_M = 8;  // up to this many rows of x: code tiles (measured: AVX2 and AVX-512); above: widen once
 
 // NOTE: intrinsics where the ISA has a byte -> int32 widening load: GCC scalarizes
 // __builtin_convertvector from byte vectors (about 10x slower at decode)
@@ -84,17 +83,23 @@ struct Packed {
   const uint8_t* panel(int64_t p) const { return codes + panel_offset(p, panel_bytes, W); }
 };
 
-// Code tile: y[r, panel p0 + p] for R rows of x, NP panels, straight from the codes.
-// xs: (rows, groups) sums of x over each group (the offsets' factor).
-template <typename F, int R, int NP>
-void code_tile(const float* x, const float* xs, const Packed& w, int64_t p0, float* y, int64_t n,
+// Code tile: y[r, panel p0 + p] for R rows of x, NP panels. WIDE: the codes come from a pair of panels
+// widened once into fp32 (`wide`: [2][k][W], panels p0 and p0 + 1), else straight from the packed
+// bytes. The same values and the same steps either way. xs: (rows, groups) sums of x over each group
+// (the offsets' factor).
+template <typename F, int R, int NP, bool WIDE>
+void code_tile(const float* x, const float* xs, const Packed& w, int64_t p0, const float* wide, float* y, int64_t n,
                const float* bias) {
   const int64_t k_dim = w.k_dim;
   vf acc[R][NP];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = vf{};
   const uint8_t* codes[NP];
-  for (int p = 0; p < NP; ++p) codes[p] = w.panel(p0 + p);
+  const float* wides[NP];
+  for (int p = 0; p < NP; ++p) {
+    codes[p] = w.panel(p0 + p);
+    wides[p] = wide + p * k_dim * W;
+  }
   for (int64_t g = 0; g < w.groups; ++g) {
     // NOTE: two sums per output vector (k and k + 16; even and odd k): two FMA chains, not one,
     // so the FMAs' latency is hidden at one row
@@ -105,12 +110,18 @@ void code_tile(const float* x, const float* xs, const Packed& w, int64_t p0, flo
     if constexpr (F::BITS == 8) {
       for (int64_t k = k0; k < k0 + w.group; k += 2) {  // NOTE: groups are even (16 and up)
         for (int p = 0; p < NP; ++p) {
-          __builtin_prefetch(codes[p] + (k + 16) * ROW_STRIDE, 0, 0);
-          const vf c = widen_i8(codes[p] + k * ROW_STRIDE);
-          const vf c2 = widen_i8(codes[p] + (k + 1) * ROW_STRIDE);
+          vf c, c2;
+          if constexpr (WIDE) {
+            c = load_f(wides[p] + k * W);
+            c2 = load_f(wides[p] + (k + 1) * W);
+          } else {
+            __builtin_prefetch(codes[p] + (k + 16) * ROW_STRIDE, 0, 0);
+            c = widen_i8(codes[p] + k * ROW_STRIDE);
+            c2 = widen_i8(codes[p] + (k + 1) * ROW_STRIDE);
+          }
           for (int r = 0; r < R; ++r) {
-            sum[r][p] += x[r * k_dim + k] * c;
-            sum2[r][p] += x[r * k_dim + k + 1] * c2;
+            sum[r][p] = fmadd(splat(x[r * k_dim + k]), c, sum[r][p]);
+            sum2[r][p] = fmadd(splat(x[r * k_dim + k + 1]), c2, sum2[r][p]);
           }
         }
       }
@@ -119,12 +130,17 @@ void code_tile(const float* x, const float* xs, const Packed& w, int64_t p0, flo
         for (int64_t i = 0; i < 16; ++i) {
           const int64_t at = (c0 / 2 + i) * ROW_STRIDE;  // 16 rows of W bytes per 32 k
           for (int p = 0; p < NP; ++p) {
-            __builtin_prefetch(codes[p] + at + 16 * ROW_STRIDE, 0, 0);
             vf lo, hi;
-            widen_u4(codes[p] + at, lo, hi);
+            if constexpr (WIDE) {
+              lo = load_f(wides[p] + (c0 + i) * W);
+              hi = load_f(wides[p] + (c0 + i + 16) * W);
+            } else {
+              __builtin_prefetch(codes[p] + at + 16 * ROW_STRIDE, 0, 0);
+              widen_u4(codes[p] + at, lo, hi);
+            }
             for (int r = 0; r < R; ++r) {
-              sum[r][p] += x[r * k_dim + c0 + i] * lo;
-              sum2[r][p] += x[r * k_dim + c0 + i + 16] * hi;
+              sum[r][p] = fmadd(splat(x[r * k_dim + c0 + i]), lo, sum[r][p]);
+              sum2[r][p] = fmadd(splat(x[r * k_dim + c0 + i + 16]), hi, sum2[r][p]);
             }
           }
         }
@@ -133,175 +149,84 @@ void code_tile(const float* x, const float* xs, const Packed& w, int64_t p0, flo
     for (int p = 0; p < NP; ++p) {
       const int64_t at = ((p0 + p) * w.groups + g) * W;
       const vf s = load_scales<F::HALF>(w.scales, at);
-      for (int r = 0; r < R; ++r) acc[r][p] += (sum[r][p] + sum2[r][p]) * s;
+      for (int r = 0; r < R; ++r) acc[r][p] = fmadd(sum[r][p] + sum2[r][p], s, acc[r][p]);
       if constexpr (F::OFFSET) {
         const vf o = load_scales<F::HALF>(w.offsets, at);
-        for (int r = 0; r < R; ++r) acc[r][p] += xs[r * w.groups + g] * o;
+        for (int r = 0; r < R; ++r) acc[r][p] = fmadd(splat(xs[r * w.groups + g]), o, acc[r][p]);
       }
     }
   }
   store_tile<R, NP>(acc, y, n, p0 * W, bias);
 }
 
-// Panel p's weights as fp32, [k][W], into out.
+// Panel p's codes as fp32, [k][W] (k in order), into out: exact small integers.
 template <typename F>
-void dequantize_panel(const Packed& w, int64_t p, float* out) {
+void widen_panel(const Packed& w, int64_t p, float* out) {
   const uint8_t* codes = w.panel(p);
-  for (int64_t g = 0; g < w.groups; ++g) {
-    const int64_t at = (p * w.groups + g) * W, k0 = g * w.group;
-    const vf s = load_scales<F::HALF>(w.scales, at);
-    const vf o = F::OFFSET ? load_scales<F::HALF>(w.offsets, at) : vf{};
-    if constexpr (F::BITS == 8) {
-      for (int64_t k = k0; k < k0 + w.group; ++k) {
-        const vf v = widen_i8(codes + k * ROW_STRIDE) * s + o;
-        std::memcpy(out + k * W, &v, sizeof v);
+  if constexpr (F::BITS == 8) {
+    for (int64_t k = 0; k < w.k_dim; ++k) {
+      const vf v = widen_i8(codes + k * ROW_STRIDE);
+      std::memcpy(out + k * W, &v, sizeof v);
+    }
+  } else {
+    for (int64_t c0 = 0; c0 < w.k_dim; c0 += 32)
+      for (int64_t i = 0; i < 16; ++i) {
+        vf lo, hi;
+        widen_u4(codes + (c0 / 2 + i) * ROW_STRIDE, lo, hi);
+        std::memcpy(out + (c0 + i) * W, &lo, sizeof lo);
+        std::memcpy(out + (c0 + i + 16) * W, &hi, sizeof hi);
       }
-    } else {
-      for (int64_t c0 = k0; c0 < k0 + w.group; c0 += 32)
-        for (int64_t i = 0; i < 16; ++i) {
-          vf lo, hi;
-          widen_u4(codes + (c0 / 2 + i) * ROW_STRIDE, lo, hi);
-          lo = lo * s + o;
-          hi = hi * s + o;
-          std::memcpy(out + (c0 + i) * W, &lo, sizeof lo);
-          std::memcpy(out + (c0 + i + 16) * W, &hi, sizeof hi);
-        }
-    }
   }
 }
 
-// fp32 tile over two dequantized panels wp ([2][k][W]): y[r, n0 ..) for R rows.
-template <int R>
-void fp32_tile(const float* x, int64_t k_dim, const float* wp, float* y, int64_t n, int64_t n0, const float* bias) {
-  vf acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vf{};
-  const float* w1 = wp + k_dim * W;
-  for (int64_t k = 0; k < k_dim; ++k) {
-    const vf a = load_f(wp + k * W), b = load_f(w1 + k * W);
-    for (int r = 0; r < R; ++r) {
-      const float xv = x[r * k_dim + k];
-      acc[r][0] += xv * a;
-      acc[r][1] += xv * b;
-    }
-  }
-  store_tile<R, 2>(acc, y, n, n0, bias);
-}
-
-using Fp32TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*);
-
-template <int... R>
-constexpr std::array<Fp32TileFn, sizeof...(R)> fp32_tiles(std::integer_sequence<int, R...>) {
-  return {&fp32_tile<R + 1>...};
-}
-constexpr auto FP32_TILES = fp32_tiles(std::make_integer_sequence<int, MAX_ROWS>{});
-
-#if ATTNSERVE_BF16_DOT
-// fp32 panel [k][W] -> bf16 k pairs [k / 2][W][2] (k_dim even): the layout vdpbf16ps multiplies
-inline void to_bf16_pairs(const float* in, int64_t k_dim, uint16_t* out) {
-  alignas(64) static constexpr uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i idx = _mm512_load_si512(interleave);
-  for (int64_t k2 = 0; k2 < k_dim / 2; ++k2) {
-    const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + (2 * k2 + 1) * W), _mm512_loadu_ps(in + 2 * k2 * W));
-    _mm512_storeu_si512(out + k2 * 2 * W, _mm512_permutexvar_epi16(idx, (__m512i)both));  // round to nearest even
-  }
-}
-
-// bf16 tile over two panels of bf16 pairs wp ([2][k / 2][W][2]): y[r, n0 ..) for R rows of bf16 x.
-template <int R>
-void bf16_tile(const uint16_t* x, int64_t k_dim, const uint16_t* wp, float* y, int64_t n, int64_t n0,
-               const float* bias) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const uint16_t* w1 = wp + k_dim * W;
-  for (int64_t k2 = 0; k2 < k_dim / 2; ++k2) {
-    const __m512bh a = (__m512bh)_mm512_loadu_si512(wp + k2 * 2 * W), b = (__m512bh)_mm512_loadu_si512(w1 + k2 * 2 * W);
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * k_dim + 2 * k2, sizeof pair);
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, a);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, b);
-    }
-  }
-  vf out[R][2];
-  std::memcpy(out, acc, sizeof out);
-  store_tile<R, 2>(out, y, n, n0, bias);
-}
-
-using Bf16TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, float*, int64_t, int64_t, const float*);
-
-template <int... R>
-constexpr std::array<Bf16TileFn, sizeof...(R)> bf16_tiles(std::integer_sequence<int, R...>) {
-  return {&bf16_tile<R + 1>...};
-}
-constexpr auto BF16_TILES = bf16_tiles(std::make_integer_sequence<int, MAX_ROWS>{});
-#endif
-
-using CodeTileFn = void (*)(const float*, const float*, const Packed&, int64_t, float*, int64_t, const float*);
+using CodeTileFn = void (*)(const float*, const float*, const Packed&, int64_t, const float*, float*, int64_t,
+                            const float*);
 
 // One row: a quad's four panels at once (four independent chains per group, one stream of codes);
 // more rows: two panels.
-template <typename F, int... R>
+template <typename F, bool WIDE, int... R>
 constexpr std::array<CodeTileFn, sizeof...(R)> code_tiles(std::integer_sequence<int, R...>) {
-  return {(R == 0 ? &code_tile<F, 1, 4> : &code_tile<F, R + 1, 2>)...};
+  return {(R == 0 && !WIDE ? &code_tile<F, 1, 4, false> : &code_tile<F, R + 1, 2, WIDE>)...};
 }
 
-// Quads [u0, u1) of the output. x: fp32 rows (the code tiles, fp32 tiles); xb: the same rows in
-// bf16 for bf16 tiles, or nullptr.
+// Quads [u0, u1) of the output for the fp32 rows x.
 template <typename F>
-void run(const Packed& w, const float* x, const uint16_t* xb, const float* xs, int64_t m, float* y, int64_t n,
-         const float* bias, int64_t u0, int64_t u1) {
+void run(const Packed& w, const float* x, const float* xs, int64_t m, float* y, int64_t n, const float* bias,
+         int64_t u0, int64_t u1) {
   // q: pairs of panels. NOTE: a quad's padding may hold whole pairs past n: never computed
   const int64_t k_dim = w.k_dim, q0 = 2 * u0, q1 = std::min(2 * u1, (n + 2 * W - 1) / (2 * W));
-  if (m <= DIRECT_MAX_M && xb == nullptr) {
-    static constexpr auto tiles = code_tiles<F>(std::make_integer_sequence<int, DIRECT_ROWS>{});
+  if (m <= DIRECT_MAX_M) {
+    static constexpr auto tiles = code_tiles<F, false>(std::make_integer_sequence<int, DIRECT_ROWS>{});
     if (m == 1) {
-      for (int64_t u = u0; u < u1; ++u) tiles[0](x, xs, w, u * QUAD, y, n, bias);
+      for (int64_t u = u0; u < u1; ++u) tiles[0](x, xs, w, u * QUAD, nullptr, y, n, bias);
       return;
     }
     for (int64_t p = 2 * q0; p < 2 * q1; p += 2)
       row_blocks(m, DIRECT_ROWS, [&](int64_t r, int nr) {
         if (nr == 1)
-          code_tile<F, 1, 2>(x + r * k_dim, xs + r * w.groups, w, p, y + r * n, n, bias);
+          code_tile<F, 1, 2, false>(x + r * k_dim, xs + r * w.groups, w, p, nullptr, y + r * n, n, bias);
         else
-          tiles[nr - 1](x + r * k_dim, xs + r * w.groups, w, p, y + r * n, n, bias);
+          tiles[nr - 1](x + r * k_dim, xs + r * w.groups, w, p, nullptr, y + r * n, n, bias);
       });
     return;
   }
-  std::vector<float> buf(2 * k_dim * W);
-#if ATTNSERVE_BF16_DOT
-  if (xb != nullptr) {
-    std::vector<uint16_t> pairs(2 * k_dim * W);
-    for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
-      const int64_t rows = std::min(m - r0, ROW_CHUNK);
-      for (int64_t q = q0; q < q1; ++q) {
-        for (int64_t half = 0; half < 2; ++half) {
-          dequantize_panel<F>(w, 2 * q + half, buf.data());
-          to_bf16_pairs(buf.data(), k_dim, pairs.data() + half * k_dim * W);
-        }
-        row_blocks(rows, MAX_ROWS, [&](int64_t r, int nr) {
-          BF16_TILES[nr - 1](xb + (r0 + r) * k_dim, k_dim, pairs.data(), y + (r0 + r) * n, n, 2 * q * W, bias);
-        });
-      }
-    }
-    return;
-  }
-#endif
+  static constexpr auto tiles = code_tiles<F, true>(std::make_integer_sequence<int, DIRECT_ROWS>{});
+  std::vector<float> wide(2 * k_dim * W);
   for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
     const int64_t rows = std::min(m - r0, ROW_CHUNK);
     for (int64_t q = q0; q < q1; ++q) {
-      dequantize_panel<F>(w, 2 * q, buf.data());
-      dequantize_panel<F>(w, 2 * q + 1, buf.data() + k_dim * W);
-      row_blocks(rows, MAX_ROWS, [&](int64_t r, int nr) {
-        FP32_TILES[nr - 1](x + (r0 + r) * k_dim, k_dim, buf.data(), y + (r0 + r) * n, n, 2 * q * W, bias);
+      widen_panel<F>(w, 2 * q, wide.data());
+      widen_panel<F>(w, 2 * q + 1, wide.data() + k_dim * W);
+      row_blocks(rows, DIRECT_ROWS, [&](int64_t r, int nr) {
+        tiles[nr - 1](x + (r0 + r) * k_dim, xs + (r0 + r) * w.groups, w, 2 * q, wide.data(), y + (r0 + r) * n, n,
+                      bias);
       });
     }
   }
 }
 
-using RunFn = void (*)(const Packed&, const float*, const uint16_t*, const float*, int64_t, float*, int64_t,
-                       const float*, int64_t, int64_t);
+using RunFn = void (*)(const Packed&, const float*, const float*, int64_t, float*, int64_t, const float*, int64_t,
+                       int64_t);
 
 RunFn format_runner(int64_t bits, bool half, bool offsets) {
   const RunFn fns[2][2][2] = {{{&run<Fmt<4, false, false>>, &run<Fmt<4, false, true>>},
@@ -335,15 +260,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   const auto [m, groups] = check_packed(x, codes, scales, offsets, bits, group, out_features);
   const int64_t k_dim = x.size(-1);
   const bool half = scales.scalar_type() == at::kHalf, has_offsets = offsets.numel() > 0;
-  // NOTE: bf16 x, many rows, an AVX512-BF16 build: bf16 tiles (k_dim is even: groups are)
-  const bool bf16_dot = ATTNSERVE_BF16_DOT && x.scalar_type() == at::kBFloat16 && m > BF16_DOT_MIN_M;
-  const at::Tensor xc = (bf16_dot ? x : x.to(at::kFloat)).reshape({-1, k_dim}).contiguous();  // (M, K)
+  const at::Tensor xc = x.to(at::kFloat).reshape({-1, k_dim}).contiguous();  // (M, K)
   const LinearOut out = linear_out(x, m, out_features, bias);
   if (m > 0) {
-    const float* xp = bf16_dot ? nullptr : xc.data_ptr<float>();
-    const uint16_t* xbp = bf16_dot ? reinterpret_cast<const uint16_t*>(xc.data_ptr()) : nullptr;
-    std::vector<float> xs;  // (M, groups): each group's sum of x, for the offsets
-    if (m <= DIRECT_MAX_M && !bf16_dot && has_offsets) {
+    const float* xp = xc.data_ptr<float>();
+    std::vector<float> xs;  // (M, groups): each group's sum of x, in order, for the offsets
+    if (has_offsets) {
       xs.assign(m * groups, 0.f);
       for (int64_t r = 0; r < m; ++r)
         for (int64_t g = 0; g < groups; ++g) {
@@ -359,7 +281,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     // NOTE: whole quads of panels per task: no tile straddles two threads
     const auto fn = format_runner(bits, half, has_offsets);
     at::parallel_for(0, codes.size(0) / QUAD, 1, [&](int64_t u0, int64_t u1) {
-      fn(w, xp, xbp, xs.data(), m, yp, out_features, bp, u0, u1);
+      fn(w, xp, xs.data(), m, yp, out_features, bp, u0, u1);
     });
   }
   return out.result(x);

@@ -26,17 +26,14 @@ namespace {
 #if defined(__AVX512F__)
 constexpr int W = 16;
 constexpr int PANEL_MAX_ROWS = 12;  // linear.cpp: R x 2 accumulators, 2 x 2 weight vectors, a broadcast
-constexpr int QUANT_MAX_ROWS = 12;  // quant_linear.cpp's fp32 tiles: R x 2 accumulators, 2 weight vectors
-constexpr int QUANT_CODE_ROWS = 4;  // its code tiles: R x NP accumulators, as many group sums, the codes
+constexpr int QUANT_CODE_ROWS = 4;  // quant_linear.cpp's code tiles: R x NP accumulators, 2 x as many group sums, the codes
 #elif defined(__AVX2__)
 constexpr int W = 8;  // NOTE: one register per vector: a wider W spills the tile loops' accumulators
 constexpr int PANEL_MAX_ROWS = 5;
-constexpr int QUANT_MAX_ROWS = 6;
 constexpr int QUANT_CODE_ROWS = 2;
 #else
 constexpr int W = 4;  // SSE2 on x86-64, NEON on aarch64
 constexpr int PANEL_MAX_ROWS = 5;
-constexpr int QUANT_MAX_ROWS = 6;
 constexpr int QUANT_CODE_ROWS = 2;
 #endif
 
@@ -46,6 +43,9 @@ typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
 typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
 typedef uint8_t vb __attribute__((vector_size(W * sizeof(uint8_t))));
 typedef int8_t vsb __attribute__((vector_size(W * sizeof(int8_t))));
+
+// x in every lane: a broadcast (`vf{} + x` would be an add: 0 + -0 is +0, so it cannot be folded away)
+inline vf splat(float x) { return __builtin_shuffle(vf{x}, vi{}); }
 
 // a * b + c with one rounding where the level has FMA (x86-64-v3 and up, aarch64), else two. Spelled out
 // where two kernels must round alike: a library built with -ffp-contract=off fuses only these.

@@ -14,20 +14,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, MutableMapping
 
-ISA_LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")  # each includes the ones before it
+from models.native.tiles import AMX_FLAGS, tile_grant
+
+ISA_LEVELS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")  # each includes the ones before it
 ISA_CAPS = ("auto", *ISA_LEVELS)
 CAP_ENV = "ATTNSERVE_CPU_ISA"
 
 # The /proc/cpuinfo flags each x86 level adds to the one below (x86-64-v3 and -v4, then BF16 with the
-# VNNI every BF16 CPU has: Cooper Lake, Sapphire Rapids and later, Zen 4 and later).
+# VNNI every BF16 CPU has: Cooper Lake, Sapphire Rapids and later, Zen 4 and later; then AMX's tiles,
+# Sapphire Rapids and later, which count only once the kernel granted them: tiles.py).
 _LEVEL_FLAGS = {
     "avx2": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}),
     "avx512": frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
     "avx512_bf16": frozenset({"avx512_bf16", "avx512_vnni"}),
+    "amx": AMX_FLAGS,
 }
 # What torch's own kernels (ATEN_CPU_CAPABILITY) and oneDNN (ONEDNN_MAX_CPU_ISA) may use per level.
-_TORCH_CAPABILITY = {"generic": "default", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
-_ONEDNN_ISA = {"generic": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE_VNNI", "avx512_bf16": "AVX512_CORE_BF16"}
+_TORCH_CAPABILITY = {"generic": "default", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512", "amx": "avx512"}
+_ONEDNN_ISA = {"generic": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE_VNNI", "avx512_bf16": "AVX512_CORE_BF16",
+               "amx": "AVX512_CORE_AMX"}
 
 
 @dataclass(frozen=True)
@@ -90,8 +95,10 @@ def _level_of_torch_capability(value: str) -> str | None:
 
 def _level_of_onednn_isa(value: str) -> str | None:
     v = value.strip().upper()
-    if v in ("", "ALL", "DEFAULT") or v.startswith("AVX10") or v.startswith("AVX512_CORE_AMX"):
+    if v in ("", "ALL", "DEFAULT") or v.startswith("AVX10"):
         return None
+    if v.startswith("AVX512_CORE_AMX"):
+        return "amx"
     if v.startswith("AVX512_CORE_BF16") or v.startswith("AVX512_CORE_FP16"):
         return "avx512_bf16"
     if v.startswith("AVX512"):
@@ -108,15 +115,22 @@ def isa_cap(environ: Mapping[str, str] = os.environ) -> str:
     return cap
 
 
-def choose_isa(features: CpuFeatures, environ: Mapping[str, str] = os.environ) -> str:
-    """The CPU's level, lowered by every cap in the environment (never raised by one)."""
-    caps = [features.isa]
+def choose_isa(features: CpuFeatures, environ: Mapping[str, str] = os.environ, tiles: bool = False) -> str:
+    """The CPU's level, lowered by every cap in the environment (never raised by one). `tiles`: the
+    kernel granted AMX's tiles (tiles.tile_grant); without them a CPU listing AMX is avx512_bf16."""
+    own = "avx512_bf16" if features.isa == "amx" and not tiles else features.isa
+    caps = [own]
     cap = isa_cap(environ)
     if cap != "auto":
         caps.append(cap)
-    caps.append(_level_of_torch_capability(environ.get("ATEN_CPU_CAPABILITY", "")) or features.isa)
-    caps.append(_level_of_onednn_isa(environ.get("ONEDNN_MAX_CPU_ISA", "")) or features.isa)
+    caps.append(_level_of_torch_capability(environ.get("ATEN_CPU_CAPABILITY", "")) or own)
+    caps.append(_level_of_onednn_isa(environ.get("ONEDNN_MAX_CPU_ISA", "")) or own)
     return min(caps, key=ISA_LEVELS.index)
+
+
+def amx_listed(features: CpuFeatures, environ: Mapping[str, str] = os.environ) -> bool:
+    """The CPU lists AMX and no cap rules it out: the tiles must be asked for before anything runs."""
+    return features.is_x86 and AMX_FLAGS <= features.flags and isa_cap(environ) in ("auto", "amx")
 
 
 def torch_isa_env(isa: str, features: CpuFeatures) -> dict[str, str]:
@@ -128,7 +142,7 @@ def torch_isa_env(isa: str, features: CpuFeatures) -> dict[str, str]:
 
 # -march for code built at a level below the CPU's own (x86). At the CPU's own level, inductor
 # keeps its default (-march=native) and its cache is named by the CPU's flags (features.key).
-_MARCH = {"avx512_bf16": "x86-64-v4", "avx512": "x86-64-v4", "avx2": "x86-64-v3", "generic": "x86-64"}
+_MARCH = {"amx": "x86-64-v4", "avx512_bf16": "x86-64-v4", "avx512": "x86-64-v4", "avx2": "x86-64-v3", "generic": "x86-64"}
 
 
 def capped_march(isa: str, features: CpuFeatures) -> str | None:
@@ -139,16 +153,20 @@ def capped_march(isa: str, features: CpuFeatures) -> str | None:
 
 
 def apply_isa_cap(environ: MutableMapping[str, str] = os.environ) -> str:
-    """Make torch and oneDNN follow ATTNSERVE_CPU_ISA (when set); returns the level chosen.
+    """Make torch and oneDNN follow ATTNSERVE_CPU_ISA (when set), or stay off AMX's tiles where they
+    were refused (oneDNN would use them); returns the level chosen.
 
     Call it before torch runs a kernel: both read their caps once, on first use."""
     features = read_cpu_features()
-    isa = choose_isa(features, environ)
-    if isa_cap(environ) != "auto":
+    isa = machine_isa(environ)
+    # NOTE: tiles listed but refused: oneDNN must not find them on its own (a fault, not a fallback)
+    if isa_cap(environ) != "auto" or (features.isa == "amx" and isa != "amx"):
         environ.update(torch_isa_env(isa, features))
     return isa
 
 
-def machine_isa() -> str:
-    """This process's level: the CPU's own, lowered by the caps in its environment."""
-    return choose_isa(read_cpu_features())
+def machine_isa(environ: Mapping[str, str] = os.environ) -> str:
+    """This process's level: the CPU's own (AMX only where the tiles were granted), lowered by the caps
+    in its environment."""
+    features = read_cpu_features()
+    return choose_isa(features, environ, tiles=amx_listed(features, environ) and tile_grant().granted)

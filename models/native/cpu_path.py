@@ -11,6 +11,9 @@ gathers those facts. The choices, measured on an AVX2-only and an AVX512-BF16 CP
   bf16 values: bf16 pair dot products where the CPU has them (faster than oneDNN's bf16 at decode,
   within 15% of it at prefill), else widened to fp32 in registers (as fast as oneDNN's fp32 at prefill, half
   the bytes at decode); oneDNN's packed kernels otherwise (fp32 weights, or no C++ compiler).
+* at the amx level (AMX's tiles granted: tiles.py), bf16 linears in oneDNN's packed matmuls, which run
+  them on the tiles (`amx-bf16`): on an AMX Xeon oneDNN's bf16 beat our panels at every M (15.2 against
+  9.8 GFLOP/s at one token, 1,271 against 120 at 512). Quantized weights keep their kernels (int8-vnni).
 * attention: the C++ paged kernel built for the ISA level, else gather + SDPA.
 
 No torch at import: `/v1/models` and the wire carry a `CpuPath`. `prepare` (models/cpu_linear.py)
@@ -27,13 +30,15 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4_g128")
 # activations of the quantized linears: exact (fp32 sums: the dequantized weights' result), int8
 # (each row rounded to int8 per block of 32, integer dot products: models/csrc/q8_linear.cpp), or auto
 ACTIVATIONS = ("auto", "exact", "int8")
-# Where auto means int8: per level, the code widths (4, 8 bits) measured faster than exact at every M
-# and within the perplexity bounds (docs/benchmarks.md, "8-bit activations"). 4-bit codes gain 1.1-1.8x;
-# 8-bit ones are within the bound but no faster at M=1 (VNNI: even, AVX2: 0.8x), so they stay exact.
-# The portable build has no integer dot product: exact.
-INT8_BY_DEFAULT = {level: frozenset({4}) for level in ("avx512_bf16", "avx512", "avx2")}
+# Where auto means int8: per level, the code widths (4, 8 bits) measured faster than exact at every M and
+# within the perplexity bounds (docs/benchmarks.md, "8-bit activations"). 4-bit codes gain 1.1-1.8x. With
+# VNNI, 8-bit codes are even at M=1 and 1.2-1.6x from M=8 on against the batch-invariant exact kernel
+# (whose bf16 rows are fp32 sums: docs/benchmarks.md, "Batch invariance"); without VNNI they are 0.8x
+# at M=1 (AVX2), so they stay exact there. The portable build has no integer dot product: exact.
+INT8_BY_DEFAULT = {"amx": frozenset({4, 8}), "avx512_bf16": frozenset({4, 8}), "avx512": frozenset({4}),
+                   "avx2": frozenset({4})}
 # What runs the integer dot products at each level (`CpuPath.activations`)
-INT8_KERNELS = {"avx512_bf16": "int8-vnni", "avx512": "int8-avx512", "avx2": "int8-avx2", "generic": "int8-portable"}
+INT8_KERNELS = {"amx": "int8-vnni", "avx512_bf16": "int8-vnni", "avx512": "int8-avx512", "avx2": "int8-avx2", "generic": "int8-portable"}
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ class CpuCapabilities:
     @property
     def bf16_native(self) -> bool:
         """bf16 matmuls run in hardware (AVX512-BF16), not emulated."""
-        return self.isa == "avx512_bf16" and "bfloat16" in self.onednn_dtypes
+        return self.isa in ("avx512_bf16", "amx") and "bfloat16" in self.onednn_dtypes
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,9 @@ def choose_cpu_path(caps: CpuCapabilities, requested: str, checkpoint_dtype: str
     if device != "cpu":
         return CpuPath(device, caps.isa, dtype, dtype, "torch", "cuda", num_threads)
     note = ""
-    if dtype == "bfloat16" and caps.bf16_native:
+    if dtype == "bfloat16" and caps.isa == "amx" and "bfloat16" in caps.onednn_dtypes:
+        linear = "amx-bf16"
+    elif dtype == "bfloat16" and caps.bf16_native:
         linear = "panels" if caps.panel_kernel else "onednn"
     elif dtype == "bfloat16":
         note = f"bfloat16 asked for on a CPU without bf16 arithmetic ({caps.isa}): slower than float32 here"

@@ -43,11 +43,15 @@ SOURCES = {
 HEADER_DIR = ROOT / "models" / "csrc"
 HEADERS = sorted(HEADER_DIR.glob("*.h"))
 FLAGS = ["-O3", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-DNDEBUG"]
-# Per library. paged_attention: its decode and its prefill tile must round alike, row for row (batch
-# invariance), so only the multiply-adds it spells out (simd.h fmadd) are fused, never the compiler's choice
-SOURCE_FLAGS = {"paged_attention": ["-ffp-contract=off"]}
+# Per library. paged_attention, quant_linear: their ways through for few and many rows must round alike,
+# row for row (batch invariance), so only the multiply-adds they spell out (simd.h fmadd) are fused,
+# never where the compiler chooses to
+SOURCE_FLAGS = {name: ["-ffp-contract=off"] for name in ("paged_attention", "quant_linear")}
 # x86-64-v3 is AVX2 + FMA + F16C + BMI; -v4 adds AVX-512 F/BW/CD/DQ/VL. The portable build has
 # no -march at all: the compiler's baseline (SSE2 on x86-64, NEON on aarch64).
+# The level each library is built for: our kernels have no tile code yet, so the amx level loads the
+# avx512_bf16 build (oneDNN's kernels use the tiles there)
+BUILD_LEVEL = {"amx": "avx512_bf16"}
 ISA_FLAGS = {
     "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"],
     "avx512": ["-march=x86-64-v4"],
@@ -98,6 +102,7 @@ def command(name: str, isa: str, out: Path) -> list[str]:
 def build(name: str, isa: str | None = None) -> Path:
     """The library's path for `isa` (default: this machine's), compiling it first if needed."""
     isa = isa or machine_isa()
+    isa = BUILD_LEVEL.get(isa, isa)
     path = library_path(name, isa)
     if path.exists():
         return path

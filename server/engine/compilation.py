@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from models.native.cache import cache_dir
-from models.native.cpu_features import apply_isa_cap, capped_march, choose_isa, read_cpu_features
+from models.native.cpu_features import apply_isa_cap, capped_march, machine_isa, read_cpu_features
 
 RECOMPILE_LIMIT = 64  # one process may compile several models (tests do); each is one entry
 
@@ -38,7 +38,7 @@ def inductor_cache_dir() -> Path:
     loaded their artifacts and produced garbage (or a double free), and vice versa."""
     features = read_cpu_features()
     capability = torch.backends.cpu.get_cpu_capability().lower()
-    return cache_dir() / "inductor" / f"{choose_isa(features)}-{capability}-{features.key}"
+    return cache_dir() / "inductor" / f"{machine_isa()}-{capability}-{features.key}"
 
 
 def compile_model(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
