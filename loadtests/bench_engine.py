@@ -28,8 +28,8 @@ at that level too: vLLM with torch's and oneDNN's caps and its AVX2 kernels
 Every request generates exactly --max-tokens greedy tokens (EOS ignored / suppressed). For the
 engines: decode step time at batch 1, 8 and 32 (median step once every sequence decodes, 128-token
 prompts; batch-1 tok/s is its inverse), prefill GFLOP/s (one --prefill-tokens prompt), and for
-attnserve the memory-bandwidth roofline of batch-1 decode (weight bytes / measured copy
-bandwidth). `--startup` adds attnserve's engine start time with an empty and a warm compile cache.
+attnserve the memory-bandwidth roofline of batch-1 decode (weight bytes / the copy bandwidth of the
+level they live in: the L3's where they fit in half of it, else DRAM's, measured beyond the L3). `--startup` adds attnserve's engine start time with an empty and a warm compile cache.
 This is a benchmark, not a test: it prints a table.
 """
 from __future__ import annotations
