@@ -14,7 +14,7 @@ from models.native.cpu_features import ISA_LEVELS, amx_listed, isa_cap, machine_
 from models.native.cpu_path import ACTIVATIONS, DTYPES, INT8_KERNELS, choose_cpu_path, int8_code_bits
 from models.native.probe import detect
 from models.native.tiles import tile_grant
-from models.native.toolchain import BUILD_LEVEL, SOURCES, compiler_version, library_path
+from models.native.toolchain import SOURCES, compiler_version, library_path
 from server.engine.compilation import inductor_cache_dir
 
 ENV_VARS = ("ATTNSERVE_CPU_ISA", "ATTNSERVE_NATIVE", "ATTNSERVE_CACHE_DIR", "ATEN_CPU_CAPABILITY",
@@ -44,7 +44,7 @@ def collect() -> dict:
     caps = detect("cpu")
     try:
         compiler = compiler_version()
-        paths = {name: library_path(name, BUILD_LEVEL.get(isa, isa)) for name in SOURCES}
+        paths = {name: library_path(name, isa) for name in SOURCES}
         libraries = {name: {"path": str(path), "built": path.exists()} for name, path in paths.items()}
     except RuntimeError as e:
         compiler, libraries = f"none ({e})", {}

@@ -80,10 +80,12 @@ def _version_of(compiler: str) -> str:
 
 
 def flags(name: str, isa: str) -> list[str]:
-    return FLAGS + SOURCE_FLAGS.get(name, []) + ISA_FLAGS[isa]
+    return FLAGS + SOURCE_FLAGS.get(name, []) + ISA_FLAGS[BUILD_LEVEL.get(isa, isa)]
 
 
 def library_path(name: str, isa: str) -> Path:
+    """Where the library for `isa` lives, named by the level it is built for."""
+    isa = BUILD_LEVEL.get(isa, isa)
     key = hashlib.sha256("\0".join([SOURCES[name].read_text(), *(h.read_text() for h in HEADERS), " ".join(flags(name, isa)), torch.__version__,
                                     compiler_version(), sys.version]).encode()).hexdigest()[:16]
     return cache_dir() / "native" / f"{name}-{isa}-{key}.so"
@@ -102,7 +104,6 @@ def command(name: str, isa: str, out: Path) -> list[str]:
 def build(name: str, isa: str | None = None) -> Path:
     """The library's path for `isa` (default: this machine's), compiling it first if needed."""
     isa = isa or machine_isa()
-    isa = BUILD_LEVEL.get(isa, isa)
     path = library_path(name, isa)
     if path.exists():
         return path
