@@ -3,13 +3,15 @@ chat messages. Pure functions; a field the engine cannot take is an `ApiError` (
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from server.engine.errors import InvalidRequestError
 from server.engine.sampling_params import SamplingParams, StructuredOutput
 from server.protocol import ChatCompletionRequest, error_body
-from server.tools import ToolChoice, call_schema
+from server.reasoning import effort_budget
+from server.template_kwargs import template_kwargs_problem
+from server.tools import MAX_TOOL_CALLS, ToolChoice, call_schema
 
 
 @dataclass(frozen=True)
@@ -20,10 +22,11 @@ class ApiLimits:
     max_body_bytes: int = 4 * 2**20
     max_concurrent_streams: int = 1024
     max_attention_tokens: int = 512  # POST /v1/attention: its answer grows with the prompt's square
+    max_tool_calls: int = MAX_TOOL_CALLS  # calls in one answer (parallel_tool_calls: false = 1)
 
     def __post_init__(self) -> None:
         if min(self.max_n, self.max_tokens, self.max_prompts, self.max_body_bytes, self.max_concurrent_streams,
-               self.max_attention_tokens) < 1:
+               self.max_attention_tokens, self.max_tool_calls) < 1:
             raise ValueError("API limits must be positive")
 
 
@@ -46,6 +49,7 @@ class ChatRequest:
     tools: tuple[dict, ...] | None  # for the chat template; None where tool_choice is none
     parsing: ToolChoice | None  # how the answer's text turns into tool_calls (None: it stays content)
     fit_max_tokens: bool  # no max_tokens given: as many as the context leaves
+    template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs, checked
 
 
 def chat_request(body: ChatCompletionRequest, limits: ApiLimits) -> ChatRequest:
@@ -54,7 +58,7 @@ def chat_request(body: ChatCompletionRequest, limits: ApiLimits) -> ChatRequest:
     requested = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    choice = tool_choice(body, tools)
+    choice = tool_choice(body, tools, limits.max_tool_calls)
     schema = call_schema(tools, choice) if choice is not None else None
     constraint = structured(body)
     if schema is not None:
@@ -63,9 +67,14 @@ def chat_request(body: ChatCompletionRequest, limits: ApiLimits) -> ChatRequest:
                            "response_format or structured_outputs", param="tool_choice")
         constraint = StructuredOutput("json", json.dumps(schema), label="tool_call", param="tools")
     params = sampling_params(body, limits, requested, logprobs, constraint)
+    # a reasoning model's thinking budget (server/reasoning.py); other models' replicas ignore it
+    params = replace(params, thinking_budget=effort_budget(body.reasoning_effort, body.thinking_token_budget))
+    kwargs = body.chat_template_kwargs
+    if kwargs is not None and (problem := template_kwargs_problem(kwargs)) is not None:
+        raise ApiError(400, f"chat_template_kwargs: {problem}", param="chat_template_kwargs")
     calling = choice is not None and choice.mode != "none"
     return ChatRequest(params, template_input(body.messages), tuple(tools) if tools and calling else None,
-                       choice if calling else None, requested is None)
+                       choice if calling else None, requested is None, kwargs or None)
 
 
 def sampling_params(body, limits: ApiLimits, max_tokens: int | None, logprobs: int | None,
@@ -125,7 +134,7 @@ def template_input(messages) -> tuple[dict, ...]:
     return tuple(m.as_template_input() for m in messages)
 
 
-def tool_choice(body, tools: list[dict] | None) -> ToolChoice | None:
+def tool_choice(body, tools: list[dict] | None, max_calls: int = MAX_TOOL_CALLS) -> ToolChoice | None:
     """OpenAI's default: auto with tools, none without; a named function must be one of `tools`."""
     choice, parallel = body.tool_choice, body.parallel_tool_calls is not False
     if tools is None:
@@ -133,9 +142,9 @@ def tool_choice(body, tools: list[dict] | None) -> ToolChoice | None:
             raise ApiError(400, "tool_choice needs tools", param="tool_choice")
         return None
     if choice is None or isinstance(choice, str):
-        return ToolChoice(choice or "auto", parallel=parallel)
+        return ToolChoice(choice or "auto", parallel=parallel, max_calls=max_calls)
     names = [t["function"]["name"] for t in tools]
     if choice.function.name not in names:
         raise ApiError(400, f"tool_choice names the function {choice.function.name!r}, which is not in tools "
                        f"({', '.join(names)})", param="tool_choice")
-    return ToolChoice("named", choice.function.name, parallel)
+    return ToolChoice("named", choice.function.name, parallel, max_calls)

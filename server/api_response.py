@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from server.reasoning import ReasoningParser
 from server.tools import ToolCallParser, ToolChoice, assemble
 from server.wire import Chunk, LogprobEntry, PromptInfo
 
@@ -28,6 +29,7 @@ class Sample:
     peak_kv_bytes: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    stop_reason: str | None = None  # the stop string that ended it
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text
@@ -39,6 +41,11 @@ class Sample:
             self.num_cached_tokens, self.num_output_tokens = chunk.num_cached_tokens, chunk.num_output_tokens
             self.peak_kv_bytes = chunk.peak_kv_bytes
             self.num_draft_tokens, self.num_accepted_tokens = chunk.num_draft_tokens, chunk.num_accepted_tokens
+            self.stop_reason = chunk.stop_reason
+
+    def end(self, reason: str) -> None:
+        """Ended here by the API, before the engine ended it: the tokens so far are its output."""
+        self.finish_reason, self.num_output_tokens = reason, self.num_tokens_so_far
 
 
 class ChoiceBuilder:
@@ -46,13 +53,19 @@ class ChoiceBuilder:
     streamed events the chunk makes (none while a tool-call tag may be forming); `whole()` is the
     non-streamed choice. With `tools`, the text is parsed into tool calls as it comes, for both."""
 
-    def __init__(self, index: int, chat: bool, tools: ToolChoice | None = None) -> None:
+    def __init__(self, index: int, chat: bool, tools: ToolChoice | None = None, reasoning: str | None = None) -> None:
         self.index, self.chat = index, chat
         self.sample = Sample()
+        # a reasoning model's chat (`reasoning`: where its answer starts): thinking -> reasoning_content
+        self.reasoning = ReasoningParser(reasoning) if reasoning is not None else None
+        self.thought = self.content = ""  # its reasoning and the rest of the text, so far
         self.parser = ToolCallParser(tools) if tools is not None else None
         self.deltas: list[dict] = []  # the parser's, so far
+        self.stopped = False  # ended before the engine ended it (the parser is `done`): the caller aborts it
 
     def add(self, chunk: Chunk) -> list[dict[str, Any]]:
+        if self.stopped:
+            return []  # NOTE: what the engine made after the answer ended (n > 1 siblings still running) is dropped
         self.sample.add(chunk)
         if chunk.error:
             return []  # NOTE: the stream sends its error event instead; the text it had stays as it was
@@ -60,15 +73,22 @@ class ChoiceBuilder:
             return [{"index": self.index, "finish_reason": chunk.finish_reason, "text": chunk.text,
                      "logprobs": completion_logprobs(chunk.logprobs) if chunk.logprobs else None}]
         logprobs = chat_logprobs(chunk.logprobs) if chunk.logprobs else None
+        thought, text = self._split(chunk)
         if self.parser is None:
+            delta = {"reasoning_content": thought} if thought else {}
             return [{"index": self.index, "finish_reason": chunk.finish_reason,
-                     "delta": {"content": chunk.text} if chunk.text else {}, "logprobs": logprobs}]
-        deltas = self.parser.feed(chunk.text) + (self.parser.finish() if chunk.finish_reason else [])
+                     "delta": delta | ({"content": text} if text else {}), "logprobs": logprobs} | _stop(chunk)]
+        deltas, finish = self.parser.feed(text), chunk.finish_reason
+        if finish is None and self.parser.done:  # a repeated call, or the last one allowed: the answer ends here
+            finish, self.stopped = "stop", True
+            self.sample.end(finish)
+        deltas += self.parser.finish() if finish else []
         self.deltas += deltas
+        deltas = ([{"reasoning_content": thought}] if thought else []) + deltas
         events = [{"index": self.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas[:-1]]
-        if deltas or chunk.finish_reason or chunk.logprobs:  # else: text held back, a <tool_call> tag may be forming
-            events.append({"index": self.index, "finish_reason": self._finish_reason(chunk.finish_reason),
-                           "delta": deltas[-1] if deltas else {}, "logprobs": logprobs})
+        if deltas or finish or chunk.logprobs:  # else: text held back, a <tool_call> tag may be forming
+            events.append({"index": self.index, "finish_reason": self._finish_reason(finish),
+                           "delta": deltas[-1] if deltas else {}, "logprobs": logprobs} | _stop(chunk))
         return events
 
     def whole(self) -> dict[str, Any]:
@@ -76,18 +96,36 @@ class ChoiceBuilder:
         if not self.chat:
             return {"index": self.index, "finish_reason": s.finish_reason, "text": s.text,
                     "logprobs": completion_logprobs(s.logprobs) if s.logprobs is not None else None}
-        message: dict[str, Any] = {"role": "assistant", "content": s.text}
-        content, calls = assemble(self.deltas) if self.parser is not None else (None, [])
-        if calls:
-            message = {"role": "assistant", "content": content, "tool_calls": calls}
+        message: dict[str, Any] = {"role": "assistant", "content": s.text if self.reasoning is None else self.content}
+        if self.parser is not None:  # NOTE: what was streamed: a call cut short, or text after the answer ended, is not content
+            content, calls = assemble(self.deltas)
+            message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+        if self.reasoning is not None:
+            message["reasoning_content"] = self.thought or None
         return {"index": self.index, "finish_reason": self._finish_reason(s.finish_reason), "message": message,
-                "logprobs": chat_logprobs(s.logprobs) if s.logprobs is not None else None}
+                "logprobs": chat_logprobs(s.logprobs) if s.logprobs is not None else None, "stop_reason": s.stop_reason}
+
+    def _split(self, chunk: Chunk) -> tuple[str, str]:
+        """The chunk's text as (reasoning, content). NOTE: before the tool-call parser, which sees only the answer."""
+        if self.reasoning is None:
+            return "", chunk.text
+        thought, text = self.reasoning.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            held_thought, held_text = self.reasoning.finish()
+            thought, text = thought + held_thought, text + held_text
+        self.thought, self.content = self.thought + thought, self.content + text
+        return thought, text
 
     def _finish_reason(self, reason: str | None) -> str | None:
         """An answer that stopped with tool calls finishes as `tool_calls`; one cut short keeps its reason."""
         if reason == "stop" and self.parser is not None and self.parser.num_calls:
             return "tool_calls"
         return reason
+
+
+def _stop(chunk: Chunk) -> dict[str, Any]:
+    """A chat choice's last event carries `stop_reason` (as vLLM's): the stop string that ended it, or null."""
+    return {"stop_reason": chunk.stop_reason} if chunk.finish_reason is not None else {}
 
 
 def usage(infos: list[PromptInfo], samples: list[Sample], speculative: bool = False) -> dict[str, Any]:

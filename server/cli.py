@@ -18,6 +18,7 @@ from server import eval_results
 from server.engine.config import KV_CACHE_DTYPES, EngineConfig, parse_size
 from server.kv_forms import KV_CURVE_LENGTHS
 from server.metrics import fresh
+from server.reasoning import CHOICES as REASONING_PARSERS
 
 APP_NAME = "attnserve"
 
@@ -70,7 +71,7 @@ def _engine_config(args: argparse.Namespace, model: str = "default"):
         max_model_len=args.max_model_len, num_threads=args.threads, enforce_eager=args.enforce_eager,
         max_waiting=getattr(args, "max_waiting", None), speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-        worker_cpus=args.worker_cpus,
+        worker_cpus=args.worker_cpus, reasoning_parser=args.reasoning_parser, reasoning_budget=args.reasoning_budget,
     )
 
 
@@ -212,10 +213,11 @@ def _serve(args: argparse.Namespace) -> int:
         num_gpus=args.num_gpus, api_key=args.api_key, graceful_shutdown_timeout_s=args.drain_timeout,
         router=args.router, replica_resources=json.loads(args.replica_resources),
         ingress_resources=json.loads(args.ingress_resources),
+        responses_store_size=args.responses_store_size, responses_store_ttl_s=args.responses_store_ttl,
         limits=ApiLimits(max_n=args.max_n, max_tokens=args.max_tokens_limit,
                          max_body_bytes=parse_size(args.max_body_size),
                          max_concurrent_streams=args.max_concurrent_streams,
-                         max_attention_tokens=args.max_attention_tokens),
+                         max_attention_tokens=args.max_attention_tokens, max_tool_calls=args.max_tool_calls),
     )
     joined = args.address is not None
     if joined:
@@ -367,6 +369,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                         'or \'{"method": "draft_model", "model": "default", "num_speculative_tokens": 3}\' '
                         "(docs/speculative.md)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                   help="split a reasoning model's <think> text into reasoning_content: deepseek_r1, qwen3, or auto "
+                        "(from the chat template) (docs/reasoning.md)")
+    p.add_argument("--reasoning-budget", type=int, default=d["reasoning_budget"],
+                   help="thinking tokens a request may take before </think> is forced, where it names no budget "
+                        "(-1: unlimited)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -444,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-ongoing-requests", type=int, default=sd["max_ongoing_requests"], help="Serve's per-replica concurrency cap")
     srv.add_argument("--num-cpus", type=float, help="CPUs per model replica (default: an even share)")
     srv.add_argument("--num-gpus", type=float, default=sd["num_gpus"], help="GPUs per model replica (> 0 runs on CUDA)")
-    srv.add_argument("--api-key", default=os.environ.get("ATTNSERVE_API_KEY"), help="require this Bearer key on /v1")
+    srv.add_argument("--api-key", default=os.environ.get("ATTNSERVE_API_KEY"), help="require this key on /v1 (as a Bearer token or x-api-key)")
     srv.add_argument("--address", help="join this Ray cluster instead of starting a local one")
     srv.add_argument("--dashboard", action="store_true", help="start Ray's dashboard too")
     srv.add_argument("--app-name", default=APP_NAME, help="Serve application name")
@@ -453,9 +461,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-body-size", default=ld["max_body_bytes"], help="larger request bodies get 413")
     srv.add_argument("--max-attention-tokens", type=int, default=ld["max_attention_tokens"],
                      help="longest prompt POST /v1/attention takes")
+    srv.add_argument("--max-tool-calls", type=int, default=ld["max_tool_calls"],
+                     help="most tool calls in one answer (it ends there, or at a repeated call)")
     srv.add_argument("--max-concurrent-streams", type=int, default=ld["max_concurrent_streams"], help="per ingress replica; beyond it 429")
     srv.add_argument("--drain-timeout", type=float, default=sd["graceful_shutdown_timeout_s"], help="seconds in-flight requests get on shutdown")
     srv.add_argument("--route-prefix", default="/", help="HTTP route prefix of the application")
+    srv.add_argument("--responses-store-size", type=int, default=sd["responses_store_size"],
+                     help="/v1/responses: the most stored responses kept for previous_response_id (oldest go first)")
+    srv.add_argument("--responses-store-ttl", type=float, default=sd["responses_store_ttl_s"], metavar="SECONDS",
+                     help="/v1/responses: how long a stored response is kept")
     _add_engine_args(srv)
     srv.set_defaults(func=_serve)
     return parser

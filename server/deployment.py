@@ -30,6 +30,7 @@ from server.engine.executor import placement_strategy, worker_bundles
 from server.http_app import create_app
 from server.model_client import LocalModelClient, ModelClient
 from server.openai_api import ApiLimits, OpenAIApi
+from server.response_store import ResponseStore, StoreClient, StoreConfig
 from server.router import CacheAwareRouter, routing_stats
 from server.serve_config import ServeConfig
 from server.wire import AttentionCall, AttentionMap, Chunk, GenerateCall, MetricsSnapshot, ModelInfo, PromptInfo
@@ -67,6 +68,38 @@ def metrics_hub(app_name: str, resources: dict[str, float] | None = None):
     the ingress's: a node that may go away must not take the metrics with it)."""
     return MetricsHub.options(name=hub_name(app_name), namespace=HUB_NAMESPACE, lifetime="detached",
                               get_if_exists=True, resources=resources or {}).remote()
+
+
+ResponseStoreActor = ray.remote(num_cpus=0)(ResponseStore)
+
+
+def store_name(app_name: str) -> str:
+    return f"attnserve-responses-{app_name}"
+
+
+def response_store(app_name: str, config: StoreConfig, resources: dict[str, float] | None = None) -> RayStore:
+    """The application's stored responses (/v1/responses), one actor every replica that serves HTTP
+    reads, created by whichever asks first; placed like the metrics hub. `config` applies when it is
+    created (a later deployment of the same application keeps the running actor's)."""
+    actor = ResponseStoreActor.options(name=store_name(app_name), namespace=HUB_NAMESPACE, lifetime="detached",
+                                       get_if_exists=True, resources=resources or {}).remote(config)
+    return RayStore(actor)
+
+
+class RayStore(StoreClient):
+    """StoreClient over the application's `ResponseStore` actor."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    async def put(self, response_id: str, record: dict[str, Any]) -> None:
+        await self.actor.put.remote(response_id, record)
+
+    async def get(self, response_id: str) -> dict[str, Any] | None:
+        return await self.actor.get.remote(response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        return await self.actor.delete.remote(response_id)
 
 
 class _Reporter(threading.Thread):
@@ -146,16 +179,18 @@ class _ServesApi:
     """The FastAPI app of a replica that answers HTTP, over its model clients; metrics from the hub."""
 
     def _serve_api(self, clients: dict, limits: ApiLimits, api_key: str | None,
-                   hub_resources: dict[str, float] | None = None) -> None:
+                   hub_resources: dict[str, float] | None = None, store: StoreConfig | None = None) -> None:
         self.api = OpenAIApi(clients, limits)
         self.api_key = api_key
-        self.hub = metrics_hub(serve.get_replica_context().app_name, hub_resources)
+        app_name = serve.get_replica_context().app_name
+        self.hub = metrics_hub(app_name, hub_resources)
+        self.responses = response_store(app_name, store or StoreConfig(), hub_resources)
 
     async def snapshots(self) -> list[MetricsSnapshot]:
         return await self.hub.collect.remote()
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.api, self.api_key, self.snapshots)
+        return create_app(self.api, self.api_key, self.snapshots, self.responses)
 
 
 @serve.deployment(health_check_period_s=5, health_check_timeout_s=30)
@@ -165,9 +200,9 @@ class ModelServer(ModelReplica, _ServesApi):
     streamed token than proxy -> ingress -> model replica (a streaming burst 6.3 s -> 5.1 s)."""
 
     def __init__(self, name: str, engine_config: EngineConfig, limits: ApiLimits, api_key: str | None,
-                 hub_resources: dict[str, float] | None = None) -> None:
+                 hub_resources: dict[str, float] | None = None, store: StoreConfig | None = None) -> None:
         super().__init__(name, engine_config, hub_resources)
-        self._serve_api({name: self}, limits, api_key, hub_resources)
+        self._serve_api({name: self}, limits, api_key, hub_resources, store)
 
 
 class RayModelClient(ModelClient):
@@ -189,9 +224,10 @@ class RayModelClient(ModelClient):
             self._block_size = (await self.info()).block_size
         ids = call.prompt_token_ids
         if ids is None:
-            # NOTE: with the call's tools: the model replica takes these ids as the prompt
-            ids = tuple(encode_prompt(self.tokenizer, self.name, call.prompt, call.messages, tools=call.tools))
-        return replace(call, prompt=None, messages=None, tools=None, prompt_token_ids=ids,
+            # NOTE: with the call's tools and template arguments: the model replica takes these ids as the prompt
+            ids = tuple(encode_prompt(self.tokenizer, self.name, call.prompt, call.messages, tools=call.tools,
+                                      template_kwargs=call.chat_template_kwargs))
+        return replace(call, prompt=None, messages=None, tools=None, chat_template_kwargs=None, prompt_token_ids=ids,
                        block_hashes=tuple(prompt_block_hashes(ids, self._block_size)))
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[PromptInfo | Chunk]:
@@ -212,8 +248,8 @@ class RayModelClient(ModelClient):
     async def health(self) -> bool:
         return await self._call("health")
 
-    async def encode(self, prompt, messages, add_special_tokens: bool) -> list[int]:
-        return await self._call("encode", prompt, messages, add_special_tokens)
+    async def encode(self, prompt, messages, add_special_tokens: bool, tools=None, template_kwargs=None) -> list[int]:
+        return await self._call("encode", prompt, messages, add_special_tokens, tools, template_kwargs)
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._call("decode", token_ids)
@@ -234,11 +270,12 @@ class OpenAIIngress(_ServesApi):
     """Owns the FastAPI app, built in the replica from the handles of the model deployments."""
 
     def __init__(self, models: dict[str, DeploymentHandle], limits: ApiLimits, api_key: str | None,
-                 tokenize: dict[str, str] | None = None, hub_resources: dict[str, float] | None = None) -> None:
+                 tokenize: dict[str, str] | None = None, hub_resources: dict[str, float] | None = None,
+                 store: StoreConfig | None = None) -> None:
         """`tokenize`: model name -> source, for the models routed by cache (tokenized here)."""
         tokenizers = {name: load_tokenizer(resolve_model(source)) for name, source in (tokenize or {}).items()}
         self._serve_api({name: RayModelClient(h, tokenizers.get(name), name) for name, h in models.items()},
-                        limits, api_key, hub_resources)
+                        limits, api_key, hub_resources, store)
 
 
 def _deployment_name(model: str) -> str:
@@ -272,7 +309,7 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
         # routing by cache needs the prompt's tokens before a replica is chosen: an ingress
         if len(cfg.models) == 1 and not cfg.separate_ingress and not cfg.routes_by_cache(name):
             return ModelServer.options(**options).bind(name, cfg.engine_config(source, cpus), cfg.limits, cfg.api_key,
-                                                       cfg.ingress_resources)
+                                                       cfg.ingress_resources, cfg.responses_store)
         if cfg.routes_by_cache(name):
             tokenize[name] = source
             options["request_router_config"] = RequestRouterConfig(
@@ -282,7 +319,7 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
     ingress_options = {"num_cpus": 0, "runtime_env": {"env_vars": env}, "resources": dict(cfg.ingress_resources)}
     return OpenAIIngress.options(ray_actor_options=ingress_options,
                                  graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s).bind(
-        models, cfg.limits, cfg.api_key, tokenize, cfg.ingress_resources)
+        models, cfg.limits, cfg.api_key, tokenize, cfg.ingress_resources, cfg.responses_store)
 
 
 def worker_placement(engine: EngineConfig, actor_options: dict[str, Any]) -> dict[str, Any]:

@@ -13,13 +13,17 @@ from typing import Any, Awaitable, Callable
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import eval_results
 from server.dashboard import dashboard_data
+from server.event_stream import EventStreamResponse
+from server.messages_api import add_messages_routes
+from server.messages_protocol import error_body as messages_error_body
+from server.messages_protocol import is_messages_path
 from server.openai_api import ApiError, OpenAIApi
 from server.prometheus import render_prometheus
 from server.protocol import (
@@ -30,6 +34,8 @@ from server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from server.response_store import StoreClient
+from server.responses_api import add_responses_routes
 from server.wire import MetricsSnapshot
 
 logger = logging.getLogger(__name__)
@@ -38,12 +44,21 @@ STATIC = Path(__file__).parent / "static"
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-           code: Any = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+           code: Any = None, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    """OpenAI's error shape; Anthropic's under /v1/messages (`path`: the route's path, see `_path`)."""
+    body = messages_error_body(status, message) if is_messages_path(path) else error_body(message, type_, param, code)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _path(scope: Scope) -> str:
+    """The path the routes see: under a route prefix (Serve), scope["path"] keeps it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 class GuardMiddleware:
-    """Rejects oversized bodies (413) and, when an API key is set, unauthenticated /v1 calls (401).
+    """Rejects oversized bodies (413) and, when an API key is set, unauthenticated /v1 calls (401): the key
+    comes as `Authorization: Bearer` (OpenAI's clients) or `x-api-key` (Anthropic's).
 
     A raw ASGI middleware, so the body is counted as it streams in, Content-Length or not.
     """
@@ -58,18 +73,16 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         limit, api_key = self.max_body_bytes, self.api_key
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        path, root = scope["path"], scope.get("root_path", "")
-        if root and path.startswith(root):  # under a route prefix (Serve), scope["path"] keeps it
-            path = path[len(root):]
+        path = _path(scope)
         if api_key and path.startswith(PROTECTED_PREFIXES):
             given = headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
+            token = given[7:] if given.lower().startswith("bearer ") else headers.get("x-api-key", "")
             if not hmac.compare_digest(token.encode(), api_key.encode()):  # constant-time
                 return await _error(401, "invalid or missing API key", "authentication_error",
-                                    code="invalid_api_key")(scope, receive, send)
+                                    code="invalid_api_key", path=path)(scope, receive, send)
         declared = headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
-            return await _too_large(limit, receive, send, body_done=False)
+            return await _too_large(limit, receive, send, body_done=False, path=path)
         seen, over, body_done = 0, False, False
 
         async def limited_receive() -> Message:
@@ -92,7 +105,7 @@ class GuardMiddleware:
             if not over:
                 raise
         if over:
-            await _too_large(limit, receive, send, body_done)
+            await _too_large(limit, receive, send, body_done, path)
 
 
 class _BodyTooLarge(Exception):
@@ -107,10 +120,10 @@ LINGER_MAX_BYTES = 64 * 2**20
 LINGER_MAX_SECONDS = 30.0
 
 
-async def _too_large(limit: int, receive: Receive, send: Send, body_done: bool) -> None:
+async def _too_large(limit: int, receive: Receive, send: Send, body_done: bool, path: str) -> None:
     """The 413's bytes go out first, so clients that read while uploading get it at once; the response
     is only completed after the drain, because the server stops handing over the body once it is."""
-    response = _error(413, f"request body exceeds {limit} bytes", code="request_too_large")
+    response = _error(413, f"request body exceeds {limit} bytes", code="request_too_large", path=path)
     await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
     await send({"type": "http.response.body", "body": response.body, "more_body": True})
     dropped = 0
@@ -130,7 +143,8 @@ def _param(loc: tuple) -> str | None:
 
 
 def create_app(api: OpenAIApi, api_key: str | None = None,
-               snapshots: Callable[[], Awaitable[list[MetricsSnapshot]]] | None = None) -> FastAPI:
+               snapshots: Callable[[], Awaitable[list[MetricsSnapshot]]] | None = None,
+               responses_store: StoreClient | None = None) -> FastAPI:
     """`snapshots` returns every replica's metrics snapshot (see server/metrics.py)."""
     app = FastAPI(title="attnserve", version="0.1.0", description="OpenAI-compatible text generation")
     page, attention_page, uplot_js, uplot_css = ((STATIC / name).read_bytes() for name in (
@@ -142,27 +156,25 @@ def create_app(api: OpenAIApi, api_key: str | None = None,
         errors = exc.errors()
         first = errors[0] if errors else {}
         msg = "; ".join(f"{_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}" for e in errors[:5])
-        return _error(400, msg or "invalid request", param=_param(tuple(first.get("loc", ()))))
+        return _error(400, msg or "invalid request", param=_param(tuple(first.get("loc", ()))),
+                      path=_path(request.scope))
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return _error(exc.status, str(exc), exc.type, exc.param, exc.code, exc.headers, _path(request.scope))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else
-                      "invalid_request_error")
+                      "invalid_request_error", path=_path(request.scope))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return _error(500, f"internal error: {type(exc).__name__}", "server_error")
+        return _error(500, f"internal error: {type(exc).__name__}", "server_error", path=_path(request.scope))
 
     def respond(result: Any) -> Any:
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JSONResponse(result) if isinstance(result, dict) else EventStreamResponse(result)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -222,6 +234,8 @@ def create_app(api: OpenAIApi, api_key: str | None = None,
     async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
         return JSONResponse(await api.detokenize(body))
 
+    add_responses_routes(app, api, responses_store)
+    add_messages_routes(app, api)
     return app
 
 

@@ -30,7 +30,9 @@ class ModelClient(ABC):
         aborts the request, which frees its KV blocks."""
 
     @abstractmethod
-    async def encode(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool) -> list[int]: ...
+    async def encode(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool,
+                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        """The prompt's token ids; messages go through the chat template (with `tools` and `template_kwargs`)."""
 
     @abstractmethod
     async def decode(self, token_ids: list[int]) -> str: ...
@@ -70,8 +72,9 @@ class LocalModelClient(ModelClient):
             async for item in stream:
                 yield item
 
-    async def encode(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool) -> list[int]:
-        return self.worker.encode(prompt, messages, add_special_tokens)
+    async def encode(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool,
+                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        return self.worker.encode(prompt, messages, add_special_tokens, tools, template_kwargs)
 
     async def decode(self, token_ids: list[int]) -> str:
         return self.worker.decode(token_ids)

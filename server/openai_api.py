@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from server.api_request import ApiError, ApiLimits, chat_request, sampling_params, structured, template_input
 from server.api_response import ChoiceBuilder, sse, usage, usage_so_far
@@ -64,8 +64,11 @@ class OpenAIApi:
             raise _as_api_error(e) from None
         return started
 
-    async def _merge(self, streams: list[tuple[AsyncIterator, PromptInfo]]) -> AsyncIterator[tuple[int, Chunk]]:
-        """Interleave the prompts' chunks as they come; closing this closes (aborts) them all."""
+    async def _merge(self, streams: list[tuple[AsyncIterator, PromptInfo]],
+                     ended: Callable[[int], bool] = lambda i: False) -> AsyncIterator[tuple[int, Chunk]]:
+        """Interleave the prompts' chunks as they come; closing this closes (aborts) them all.
+        `ended(i)`, asked after each chunk of prompt i is consumed: the API ended every sample of
+        it early, so its stream is closed now (aborted: its KV blocks are freed)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, gen: AsyncIterator) -> None:
@@ -77,16 +80,24 @@ class OpenAIApi:
                 await queue.put((i, e))
 
         tasks = [asyncio.create_task(pump(i, gen)) for i, (gen, _) in enumerate(streams)]
-        remaining = len(tasks)
+        remaining, closed = len(tasks), set()
         try:
             while remaining:
                 i, item = await queue.get()
+                if i in closed:
+                    continue
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, BaseException):
                     raise _as_api_error(item)
                 else:
                     yield i, item
+                    if ended(i):
+                        closed.add(i)
+                        remaining -= 1
+                        tasks[i].cancel()  # NOTE: cancelling the pump closes its stream, which aborts the request
+                        await asyncio.gather(tasks[i], return_exceptions=True)
+                        await _close(streams[i][0])
         finally:
             for t in tasks:
                 t.cancel()
@@ -112,6 +123,7 @@ class OpenAIApi:
                          "num_kv_heads": info.num_kv_heads, "kv_bytes_per_token": info.kv_bytes_per_token,
                          "kv_cache_dtype": info.kv_cache_dtype, "quantization": info.quantization,
                          "weight_bytes": info.weight_bytes, "speculative": info.speculative,
+                         "reasoning_parser": info.reasoning_parser,
                          "cpu_path": info.cpu_path.as_dict(),
                          # kv_bytes_per_token is a token of every layer; with sliding-window layers
                          # (layer_windows: per layer a window or null, [] = every layer global) a
@@ -141,8 +153,9 @@ class OpenAIApi:
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         client, info = self._client(body.model), await self._info(body.model)
         messages = list(template_input(body.messages)) if body.messages else None
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
-            ids = await client.encode(body.prompt, messages, body.add_special_tokens)
+            ids = await client.encode(body.prompt, messages, body.add_special_tokens, tools, body.chat_template_kwargs)
         except BaseException as e:
             raise _as_api_error(e) from None
         return {"tokens": ids, "count": len(ids), "max_model_len": info.max_model_len}
@@ -186,16 +199,20 @@ class OpenAIApi:
                  for i, p in enumerate(prompts)]
         return await self._run(client, calls, body, rid, "text_completion", chat=False)
 
-    async def chat(self, body: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+    async def chat(self, body: ChatCompletionRequest, raw: bool = False) -> dict[str, Any] | AsyncIterator:
+        """`raw`: a streamed answer's events as dicts (the chunk objects, an `{"error": ...}` body),
+        without SSE framing or `[DONE]`: the other APIs (Responses, Messages) translate them."""
         client = self._client(body.model)
         req = chat_request(body, self.limits)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        # NOTE: a tool parser that may end the answer early reads it as it comes, also for a whole answer
+        stream = body.stream or (req.parsing is not None and req.parsing.stops_early)
         call = GenerateCall(req.params, messages=req.messages, request_id=f"{rid}-0", fit_max_tokens=req.fit_max_tokens,
-                            stream=body.stream, tools=req.tools)
-        return await self._run(client, [call], body, rid, "chat.completion", chat=True, tools=req.parsing)
+                            stream=stream, tools=req.tools, chat_template_kwargs=req.template_kwargs, chat=True)
+        return await self._run(client, [call], body, rid, "chat.completion", chat=True, tools=req.parsing, raw=raw)
 
-    async def _run(self, client, calls, body, rid: str, obj: str, chat: bool,
-                   tools: ToolChoice | None = None) -> dict[str, Any] | AsyncIterator[str]:
+    async def _run(self, client, calls, body, rid: str, obj: str, chat: bool, tools: ToolChoice | None = None,
+                   raw: bool = False) -> dict[str, Any] | AsyncIterator:
         try:
             speculative = (await self._info(body.model)).speculative is not None  # usage then counts drafts
         except BaseException as e:
@@ -207,17 +224,23 @@ class OpenAIApi:
             self._release_stream()
             raise
         created, n = int(time.time()), body.n
-        choices = [ChoiceBuilder(i, chat, tools) for i in range(len(streams) * n)]
+        choices = [ChoiceBuilder(i, chat, tools, streams[i // n][1].reasoning) for i in range(len(streams) * n)]
+
+        def ended(i: int) -> bool:
+            """Every sample of prompt i ended, one of them by the API (ChoiceBuilder.stopped)."""
+            mine = choices[i * n:(i + 1) * n]
+            return any(c.stopped for c in mine) and all(c.sample.finish_reason is not None for c in mine)
+
         infos = [info for _, info in streams]
         if body.stream:
             opts = body.stream_options
             usage_mode = ("continuous" if opts and opts.continuous_usage_stats else
                           "final" if opts and opts.include_usage else None)
             head = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": body.model}
-            return SSEStream(self._stream(streams, choices, n, head, chat, usage_mode, speculative), streams,
-                             self._release_stream)
+            return SSEStream(self._stream(streams, choices, n, head, chat, usage_mode, speculative, ended), streams,
+                             self._release_stream, None if raw else sse)
         try:
-            async for i, chunk in self._merge(streams):
+            async for i, chunk in self._merge(streams, ended):
                 choices[i * n + chunk.index].add(chunk)
         finally:
             self._release_stream()
@@ -226,47 +249,54 @@ class OpenAIApi:
                 "usage": usage(infos, [c.sample for c in choices], speculative)}
 
     async def _stream(self, streams, choices: list[ChoiceBuilder], n: int, head: dict[str, Any], chat: bool,
-                      usage_mode: str | None, speculative: bool) -> AsyncIterator[str]:
-        """`usage_mode`: None, "final" (one last usage chunk) or "continuous" (usage so far on every chunk too)."""
+                      usage_mode: str | None, speculative: bool,
+                      ended: Callable[[int], bool]) -> AsyncIterator[dict[str, Any] | str]:
+        """The events as dicts, then "[DONE]". `usage_mode`: None, "final" (one last usage chunk) or
+        "continuous" (usage so far on every chunk too)."""
         infos, samples = [info for _, info in streams], [c.sample for c in choices]
         try:
             if chat:
                 for j in range(len(choices)):
-                    yield sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                                    "logprobs": None, "finish_reason": None}]})
-            async for i, chunk in self._merge(streams):
+                    yield {**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]}
+            async for i, chunk in self._merge(streams, ended):
                 events = choices[i * n + chunk.index].add(chunk)
                 if chunk.error:
-                    yield sse(error_body(chunk.error, "server_error", code=500))
+                    yield error_body(chunk.error, "server_error", code=500)
                     continue
                 for k, choice in enumerate(events):
                     event = {**head, "choices": [choice]}
                     if usage_mode == "continuous" and k == len(events) - 1:
                         event["usage"] = usage_so_far(infos, samples)
-                    yield sse(event)
+                    yield event
             if usage_mode is not None:
-                yield sse({**head, "choices": [], "usage": usage(infos, samples, speculative)})
+                yield {**head, "choices": [], "usage": usage(infos, samples, speculative)}
         except ApiError as e:
-            yield sse(e.body())
-        yield sse("[DONE]")
+            yield e.body()
+        yield "[DONE]"
 
 
 class SSEStream:
-    """The SSE body of one streaming response. Closing it, even before the first event, aborts
-    the generation and gives back its concurrent-stream slot (exactly once)."""
+    """The SSE body of one streaming response (`encode` frames each event; None: the events as they
+    are, without the final "[DONE]"). Closing it, even before the first event, aborts the
+    generation and gives back its concurrent-stream slot (exactly once)."""
 
-    def __init__(self, events: AsyncIterator[str], engine_streams: list, release) -> None:
-        self.events, self.engine_streams, self._release = events, engine_streams, release
+    def __init__(self, events: AsyncIterator, engine_streams: list, release,
+                 encode: Callable[[Any], str] | None = sse) -> None:
+        self.events, self.engine_streams, self._release, self.encode = events, engine_streams, release, encode
 
     def __aiter__(self) -> SSEStream:
         return self
 
-    async def __anext__(self) -> str:
+    async def __anext__(self) -> Any:
         try:
-            return await self.events.__anext__()
+            event = await self.events.__anext__()
+            if self.encode is None and event == "[DONE]":
+                raise StopAsyncIteration
         except BaseException:
             await self.aclose()
             raise
+        return event if self.encode is None else self.encode(event)
 
     async def aclose(self) -> None:
         release, self._release = self._release, None

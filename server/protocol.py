@@ -199,6 +199,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    # reasoning models (server/reasoning.py): extra chat-template arguments ({"enable_thinking": false}),
+    # and how long the model may think before `</think>` is forced (effort: a preset budget)
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    thinking_token_budget: StrictInt | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -212,11 +217,16 @@ class TokenizeRequest(_Body):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
+    # with messages: rendered as a chat request's are
+    tools: list[Tool] | None = Field(None, max_length=128)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if (self.tools or self.chat_template_kwargs) and self.messages is None:
+            raise ValueError("tools and chat_template_kwargs need messages")
         return self
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from server.engine.config import EngineConfig
 from server.openai_api import ApiLimits
+from server.response_store import StoreConfig
 
 ROUTERS = ("cache", "pow2")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -39,6 +40,10 @@ class ServeConfig:
     replica_resources: dict[str, float] = field(default_factory=dict)
     ingress_resources: dict[str, float] = field(default_factory=dict)
     limits: ApiLimits = field(default_factory=ApiLimits)  # serve.yaml: a mapping of ApiLimits fields
+    # /v1/responses with `store`: the most responses kept for previous_response_id and GET (the oldest
+    # goes first), and for how long; one store per application, every replica reads it
+    responses_store_size: int = StoreConfig.max_responses
+    responses_store_ttl_s: float = StoreConfig.ttl_s
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -62,6 +67,7 @@ class ServeConfig:
         if self.autoscaling is not None and not {"min_replicas", "max_replicas"} <= set(self.autoscaling):
             raise ValueError("autoscaling needs min_replicas and max_replicas")
         self.engine_config("default")  # validates the engine fields now
+        self.responses_store  # noqa: B018 - validates the store's size and TTL now
         if self.api_key is None and os.environ.get("ATTNSERVE_API_KEY"):
             object.__setattr__(self, "api_key", os.environ["ATTNSERVE_API_KEY"])
 
@@ -77,6 +83,10 @@ class ServeConfig:
         if isinstance(args.get("engine"), dict):
             args["engine"] = EngineConfig(**args["engine"])
         return cls(**args)
+
+    @property
+    def responses_store(self) -> StoreConfig:
+        return StoreConfig(self.responses_store_size, self.responses_store_ttl_s)
 
     def engine_config(self, model: str, cpus: float = 1.0) -> EngineConfig:
         """One model's engine on a replica of `cpus` CPUs; a sharded model's workers split them evenly."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+MAX_TOOL_CALLS = 16  # calls in one answer, by default (--max-tool-calls)
 
 HERMES_SYSTEM = (
     "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
@@ -27,11 +28,27 @@ HERMES_SYSTEM = (
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """none | auto | required | named (`name`); `parallel`: more than one call allowed."""
+    """none | auto | required | named (`name`); `parallel`: more than one call allowed, up to
+    `max_calls`."""
 
     mode: str
     name: str | None = None
     parallel: bool = True
+    max_calls: int = MAX_TOOL_CALLS
+
+    def __post_init__(self) -> None:
+        if self.max_calls < 1:
+            raise ValueError("max_calls must be positive")
+
+    @property
+    def limit(self) -> int:
+        """Most calls one answer may make."""
+        return self.max_calls if self.parallel else 1
+
+    @property
+    def stops_early(self) -> bool:
+        """The parser may end the answer before the model does (a repeated call, `limit` reached)."""
+        return self.mode in ("auto", "required")
 
 
 def _parameters(tool: dict) -> dict:
@@ -47,7 +64,7 @@ def call_schema(tools: Sequence[dict], choice: ToolChoice) -> dict | None:
         return None
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
               "required": ["name", "arguments"]} for t in tools]
-    return {"type": "array", "minItems": 1, **({} if choice.parallel else {"maxItems": 1}),
+    return {"type": "array", "minItems": 1, "maxItems": choice.limit,
             "items": {"anyOf": calls} if len(calls) > 1 else calls[0]}
 
 
@@ -102,10 +119,16 @@ class ToolCallParser:
 
     `feed` takes each text chunk and returns the deltas it completes; `finish` the rest. A named
     function's arguments stream as they come; `required` and `auto` calls go out whole, each when
-    its JSON (or `</tool_call>`) closes."""
+    its JSON (or `</tool_call>`) closes.
+
+    `done`: the answer is over, whatever the model writes next: a call repeated one already made
+    (a model that repeats a call goes on repeating it; the repeat is dropped) or the choice's
+    `limit` of calls was reached. Text after that point is dropped; the caller stops generating."""
 
     choice: ToolChoice
     num_calls: int = 0
+    done: bool = False
+    _seen: set[tuple[str, str]] = field(default_factory=set)  # (name, canonical arguments) of the calls made
     _buffer: str = ""
     _scan: int = 0  # required: where the element scanner stands in _buffer
     _depth: int = 0
@@ -114,7 +137,7 @@ class ToolCallParser:
     _start: int | None = None
 
     def feed(self, text: str) -> list[dict]:
-        if not text:
+        if not text or self.done:
             return []
         mode = self.choice.mode
         if mode == "named":
@@ -129,15 +152,27 @@ class ToolCallParser:
         if mode == "named" and not self.num_calls:
             self.num_calls = 1
             return [self._call(self.choice.name, "")]
-        if mode == "auto":
+        if mode == "auto" and not self.done:
             return self._scan_tags(final=True)
-        rest, self._buffer = self._buffer[self._start or 0:] if mode == "required" else self._buffer, ""
-        return [{"content": rest}] if rest.strip() else []
+        self._buffer = ""  # NOTE: required: what is left is an element max_tokens cut short, never content
+        return []
 
     def _call(self, name: str, arguments: str) -> dict:
         index, self.num_calls = self.num_calls, self.num_calls + 1
         return {"tool_calls": [{"index": index, "id": new_call_id(), "type": "function",
                                 "function": {"name": name, "arguments": arguments}}]}
+
+    def _complete(self, name: str, arguments: Any) -> list[dict]:
+        """A whole call's delta, or none where it repeats one already made; sets `done`."""
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        key = (name, json.dumps(_loads(text), sort_keys=True))
+        if key in self._seen:
+            self.done = True
+            return []
+        self._seen.add(key)
+        out = [self._call(name, text)]
+        self.done = self.num_calls >= self.choice.limit
+        return out
 
     def _scan_array(self) -> list[dict]:
         """`[{"name": ..., "arguments": {...}}, ...]`: each element out when its object closes."""
@@ -163,9 +198,11 @@ class ToolCallParser:
                 if self._depth == 1 and self._start is not None:
                     item = _loads(buf[self._start:i + 1])
                     if isinstance(item, dict) and "name" in item:
-                        out.append(self._call(str(item["name"]), json.dumps(item.get("arguments", {}),
-                                                                            ensure_ascii=False)))
+                        out += self._complete(str(item["name"]), item.get("arguments", {}))
                     self._start = None
+                    if self.done:
+                        self._buffer, self._scan = "", 0
+                        return out
         self._scan = len(buf)
         if self._start is None and self._depth <= 1:  # nothing open: what was scanned is spent
             self._buffer, self._scan = "", 0
@@ -194,13 +231,11 @@ class ToolCallParser:
             if buf[:start]:
                 out.append({"content": buf[:start]})
             if isinstance(item, dict) and "name" in item:
-                args = item.get("arguments", item.get("parameters", {}))
-                out.append(self._call(str(item["name"]), args if isinstance(args, str) else
-                                      json.dumps(args, ensure_ascii=False)))
+                out += self._complete(str(item["name"]), item.get("arguments", item.get("parameters", {})))
             else:
                 out.append({"content": buf[start:end + len(TOOL_CALL_CLOSE) if end >= 0 else len(buf)]})
-            self._buffer = buf[end + len(TOOL_CALL_CLOSE):] if end >= 0 else ""
-            if end < 0:
+            self._buffer = buf[end + len(TOOL_CALL_CLOSE):] if end >= 0 and not self.done else ""
+            if end < 0 or self.done:
                 return out
 
 

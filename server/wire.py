@@ -84,6 +84,7 @@ class RequestOutput:
     new_logprobs: tuple[TokenLogprob, ...] = ()
     stats: RequestStats | None = None  # set on the final output
     error: str | None = None
+    stop_reason: str | None = None  # the stop string that ended it (finish_reason "stop"), as vLLM reports it
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ class ModelInfo:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     workers: tuple[WorkerInfo, ...] = ()  # the ranks, when the model is sharded over several
+    reasoning_parser: str | None = None  # server/reasoning.py: deepseek_r1 or qwen3 (auto resolved); None: off
 
 
 # ---- replica -> metrics hub ----------------------------------------------------------------------
@@ -318,6 +320,8 @@ class GenerateCall:
     stream: bool = True  # False: one chunk per sample, when it finishes
     block_hashes: tuple[bytes, ...] = ()  # the prompt's full blocks' prefix-cache hashes (cache-aware routing)
     tools: tuple[dict, ...] | None = None  # OpenAI tool definitions for the chat template
+    chat_template_kwargs: dict[str, Any] | None = None  # extra chat-template arguments ({"enable_thinking": False})
+    chat: bool = False  # a chat's answer (kept when the ingress tokenizes its messages): reasoning applies
 
 
 @dataclass(frozen=True)
@@ -348,6 +352,7 @@ class PromptInfo:
     """First item of every generation stream."""
 
     num_prompt_tokens: int
+    reasoning: str | None = None  # a reasoning model's chat: where its answer starts (server/reasoning.py STARTS)
 
 
 @dataclass(frozen=True)
@@ -365,3 +370,4 @@ class Chunk:
     num_draft_tokens: int = 0  # speculative decoding: drafts the sample's steps verified
     num_accepted_tokens: int = 0  # ... and accepted
     error: str | None = None
+    stop_reason: str | None = None  # the stop string that ended the sample

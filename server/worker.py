@@ -15,7 +15,10 @@ from server.engine.config import EngineConfig
 from server.engine.core_client import EngineCoreClient
 from server.engine.errors import InvalidRequestError, QueueFullError
 from server.engine.grammar import check as check_grammar
+from server.engine.sampling_params import Reasoning, SamplingParams
 from server.metrics import MetricsRecorder
+from server.reasoning import ANSWERING, END, START, answer_start, resolve
+from server.template_kwargs import template_kwargs_problem
 from server.tools import template_messages
 from server.wire import (
     AttentionCall,
@@ -55,15 +58,19 @@ def byte_level_bytes(piece: str) -> tuple[int, ...] | None:
 
 
 def encode_prompt(tokenizer: Any, model: str, prompt: str | None = None, messages: Sequence[dict] | None = None,
-                  add_special_tokens: bool = True, tools: Sequence[dict] | None = None) -> list[int]:
-    """A prompt's token ids: the text tokenized, or the messages (and tools) through the chat template."""
+                  add_special_tokens: bool = True, tools: Sequence[dict] | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """A prompt's token ids: the text tokenized, or the messages (and tools, and `template_kwargs`, e.g.
+    {"enable_thinking": False}) through the chat template."""
     if messages is not None:
         if not tokenizer.chat_template:
             raise InvalidRequestError(f"model {model!r} has no chat template", "messages")
+        if template_kwargs and (problem := template_kwargs_problem(template_kwargs)) is not None:
+            raise InvalidRequestError(f"chat_template_kwargs: {problem}", "chat_template_kwargs")
         messages, extra = template_messages(messages, tools, tokenizer.chat_template)
         try:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True, **extra)["input_ids"]
+                                                return_dict=True, **(template_kwargs or {}), **extra)["input_ids"]
         except Exception as e:  # noqa: BLE001 - templates raise what they like (jinja's TemplateError, ...)
             raise InvalidRequestError(f"the chat template cannot render these messages: {e}", "messages") from None
         return list(ids)
@@ -79,7 +86,11 @@ class ModelWorker:
         self.tokenizer = load_tokenizer(resolve_model(config.model))
         self.metrics: MetricsRecorder | None = None
         self.engine = EngineCoreClient(config, on_outputs=self._account)
-        self.info: ModelInfo = self.engine.info
+        # a reasoning model (server/reasoning.py): its parser, its tags as tokens, the server's budget
+        self.reasoning_parser = resolve(config.reasoning_parser, getattr(self.tokenizer, "chat_template", None))
+        self.tags = tuple(tuple(self.tokenizer.encode(t, add_special_tokens=False)) for t in (START, END))
+        self.reasoning_budget = None if config.reasoning_budget < 0 else config.reasoning_budget
+        self.info: ModelInfo = replace(self.engine.info, reasoning_parser=self.reasoning_parser)
         self.metrics = MetricsRecorder(name, self.info)
 
     def _account(self, step: StepOutputs) -> None:
@@ -109,8 +120,9 @@ class ModelWorker:
         return {k: v for k, v in asdict(self.engine.stats).items() if k != "time"}
 
     def encode(self, prompt: str | None = None, messages: Sequence[dict] | None = None,
-               add_special_tokens: bool = True) -> list[int]:
-        return encode_prompt(self.tokenizer, self.name, prompt, messages, add_special_tokens)
+               add_special_tokens: bool = True, tools: Sequence[dict] | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return encode_prompt(self.tokenizer, self.name, prompt, messages, add_special_tokens, tools, template_kwargs)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         check_token_ids(self.info, token_ids, "tokens")
@@ -141,8 +153,12 @@ class ModelWorker:
         if call.prompt_token_ids is not None:
             ids = list(call.prompt_token_ids)
         else:
-            ids = encode_prompt(self.tokenizer, self.name, call.prompt, call.messages, tools=call.tools)
-        params = call.params
+            ids = encode_prompt(self.tokenizer, self.name, call.prompt, call.messages, tools=call.tools,
+                                template_kwargs=call.chat_template_kwargs)
+        start = None
+        if call.chat and self.reasoning_parser is not None:
+            start = answer_start(self.reasoning_parser, self.tokenizer.decode(ids[-8:]))
+        params = self._thinking(call.params, start)
         if call.fit_max_tokens:
             params = replace(params, max_tokens=max(1, min(params.max_tokens, self.info.max_model_len - len(ids))))
         try:
@@ -156,11 +172,19 @@ class ModelWorker:
         except QueueFullError:
             self.metrics.on_error("queue_full")
             raise
-        yield PromptInfo(len(ids))
+        yield PromptInfo(len(ids), start)
         # a non-streaming caller gets each sample once, whole (final_only): one message per
         # sample from the engine and to the ingress, not one per token
         async for out in stream:
             yield self._chunk(out)
+
+    def _thinking(self, params: SamplingParams, start: str | None) -> SamplingParams:
+        """The engine follows a thinking where it can matter: with a budget (the request's, else the
+        server's) or a grammar, which then applies after the thinking; else the answer is left as it is."""
+        budget = params.thinking_budget if params.thinking_budget is not None else self.reasoning_budget
+        if start is None or start == ANSWERING or (budget is None and params.structured is None):
+            return params
+        return replace(params, reasoning=Reasoning(self.tags[0], self.tags[1], start, budget))
 
     async def attention(self, call: AttentionCall) -> AttentionMap:
         """The prompt's attention weights per layer; InvalidRequestError for a prompt over
@@ -192,6 +216,7 @@ class ModelWorker:
             num_draft_tokens=s.num_draft_tokens if s else 0,
             num_accepted_tokens=s.num_accepted_tokens if s else 0,
             error=out.error,
+            stop_reason=out.stop_reason,
         )
 
     def shutdown(self) -> None:

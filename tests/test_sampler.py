@@ -91,6 +91,17 @@ def test_filters():
     assert kept(SamplingParams(top_p=1e-9)) == [True, False, False, False]
 
 
+def test_a_row_with_no_mass_or_a_tiny_temperature_still_gets_a_token_of_the_vocabulary():
+    """A tiny temperature once made +-inf logits (NaN softmax) and an all-masked row a NaN cdf:
+    searchsorted then answered V, and the next step's embedding lookup failed the whole batch."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5], [float("-inf")] * 4, [0.1, 0.2, 0.9, 0.3]])
+    params = [SamplingParams(temperature=1e-40), SamplingParams(temperature=0.8, seed=1),
+              SamplingParams(temperature=1.0, logprobs=1, seed=2)]
+    tokens, logprobs = sample(logits, batch_of(params))
+    assert tokens[0] == 1 and tokens[1] == 0 and 0 <= tokens[2] < 4
+    assert logprobs[2] is not None and logprobs[2].token_id == tokens[2]
+
+
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).repeat(4000, 1)
     tokens, _ = sample(logits, batch_of([SamplingParams(temperature=1.0)] * 4000))

@@ -7,6 +7,7 @@ from schemathesis import GenerationMode
 
 
 def test_no_5xx_and_every_4xx_is_openai_shaped(serve_url):
+    """...or Anthropic-shaped, under /v1/messages."""
     schema = schemathesis.openapi.from_url(f"{serve_url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "GET /v1/models"} <= \
@@ -19,7 +20,10 @@ def test_no_5xx_and_every_4xx_is_openai_shaped(serve_url):
         assert response.status_code < 500, (response.status_code, response.text[:500], case.as_curl_command())
         if 400 <= response.status_code < 500:
             body = response.json()
-            assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+            if case.operation.path.startswith("/v1/messages"):
+                assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+            else:
+                assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
 
     for op in operations:
         # parameterless GETs have no invalid form to generate: negative cases only where there is a body

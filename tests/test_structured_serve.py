@@ -1,14 +1,16 @@
 """Structured outputs and tool calling through the real stack: Ray Serve serving the default
 model, the official OpenAI SDK (`beta.chat.completions.parse`, `tools`, streaming assembled by the
-SDK), vLLM's `structured_outputs`, 400s that name the field, and the metrics."""
+SDK), vLLM's `structured_outputs`, 400s that name the field, the metrics, and answers that finish
+(numbers bounded, a repeated tool call ends the answer)."""
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
 from tests.test_observability_e2e import scrape, total
 
@@ -197,3 +199,84 @@ def test_metrics_count_structured_requests_and_time_their_grammars(url, client):
     assert grown("attnserve_grammar_compile_seconds_count", model=MODEL, cache="miss") == 1
     assert grown("attnserve_grammar_compile_seconds_count", model=MODEL, cache="hit") == 1
     assert grown("attnserve_grammar_compile_seconds_sum", model=MODEL) > 0
+
+
+def schema_model(model_name: str, /, **fields) -> type[BaseModel]:
+    """A pydantic model: `field=type` or `field=(type, Field(...))`."""
+    return create_model(model_name, **{k: v if isinstance(v, tuple) else (v, ...) for k, v in fields.items()})
+
+
+# float and int fields, most without bounds (what a plain pydantic `float` / `int` gives), each asked
+# about a country: with JSON's own number grammar the default model answered about a third of these
+# with digits until max_tokens (`"population_millions": 1000000000...`)
+NUMBER_MODELS = [
+    (schema_model("Country", name=str, capital=str, population_millions=float), "France"),
+    (schema_model("Planet", name=str, mass_kg=float, radius_km=float, moons=int), "Japan"),
+    (schema_model("Product", title=(str, Field(max_length=40)), price=(float, Field(ge=0)), stock=(int, Field(ge=0))),
+     "Japan"),
+    (schema_model("Reading", celsius=float, humidity_percent=(float, Field(ge=0, le=100))),
+     "France"),
+    (schema_model("Point", x=float, y=float, z=float), "Japan"),
+    (schema_model("Score", player=(str, Field(max_length=20)), points=int, accuracy=(float, Field(ge=0, le=1))),
+     "Brazil"),
+    (schema_model("Account", balance=float, transactions=(int, Field(ge=0))), "Japan"),
+    (schema_model("Recipe", dish=(str, Field(max_length=40)), servings=(int, Field(ge=1, le=20)), calories=float),
+     "Brazil"),
+    (schema_model("Car", model=(str, Field(max_length=30)), year=(int, Field(ge=1900, le=2030)), top_speed_kmh=float),
+     "Canada"),
+    (schema_model("Stock", ticker=(str, Field(max_length=6)), price=float, volume=int), "Canada"),
+    (schema_model("Atom", element=(str, Field(max_length=20)), atomic_number=int, atomic_mass=float),
+     "Canada"),
+    (schema_model("Mountain", name=(str, Field(max_length=30)), height_m=(float, Field(gt=0))), "France"),
+    (schema_model("Invoice", number=int, total=float, tax_rate=float), "Canada"),
+    (schema_model("Runner", name=(str, Field(max_length=30)), time_seconds=float, rank=(int, Field(ge=1))),
+     "Japan"),
+    (schema_model("Star", name=(str, Field(max_length=30)), distance_light_years=float, magnitude=float),
+     "Brazil"),
+    (schema_model("Team", name=(str, Field(max_length=30)), wins=int, losses=int, win_ratio=float),
+     "Canada"),
+    (schema_model("Loan", principal=(float, Field(gt=0)), rate_percent=float, months=(int, Field(ge=1, le=480))),
+     "France"),
+    (schema_model("Location", latitude=(float, Field(ge=-90, le=90)), longitude=(float, Field(ge=-180, le=180)),
+                  elevation_m=float), "Japan"),
+    (schema_model("Book", title=(str, Field(max_length=40)), pages=int, price=float), "Japan"),
+    (schema_model("Measurement", values=(list[float], Field(max_length=5)), count=int), "France"),
+]
+
+
+def test_numbers_end_for_twenty_pydantic_models(client):
+    """Every answer parses and ends with `stop` (before numbers were bounded, a plain `float` field
+    could fill max_tokens with digits and the SDK raised LengthFinishReasonError). Sent at once: the
+    engine batches them."""
+    def ask(job):
+        (model, subject), temperature = job
+        messages = [{"role": "user", "content": f"Tell me about {subject}."}]
+        completion = client.beta.chat.completions.parse(model=MODEL, messages=messages, response_format=model,
+                                                        temperature=temperature, seed=0, max_tokens=300)
+        return model, completion.choices[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, [(m, t) for m in NUMBER_MODELS for t in (0, 0.8)]))
+    for model, choice in answers:
+        assert choice.finish_reason == "stop", (model.__name__, choice.message.content)
+        assert isinstance(choice.message.parsed, model)
+        assert choice.message.parsed.model_dump() == json.loads(choice.message.content)
+
+
+def test_a_repeated_tool_call_ends_the_answer_streamed_and_not(client):
+    """The default model answers this, at temperature 0, with one call and then the same call again
+    and again: the answer ends at the first repeat, with the unique calls, and frees its blocks."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris and London, and the time in Tokyo?"}],
+              tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required", temperature=0, max_tokens=400)
+    whole = client.chat.completions.create(**kw).choices[0]
+    with client.beta.chat.completions.stream(**kw) as events:
+        streamed = events.get_final_completion().choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == calls
+    assert whole.finish_reason == streamed.finish_reason == "tool_calls" and len(set(calls)) == len(calls) >= 2
+    assert not whole.message.content and not streamed.message.content
+    for _ in range(100):  # the engine reports the aborted request's blocks freed with its next stats
+        if used_blocks() == 0:
+            break
+        time.sleep(0.05)
+    assert used_blocks() == 0

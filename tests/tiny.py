@@ -144,3 +144,48 @@ def mixed_prompts(tok, count, seed=0, min_len=3, max_len=90):
         start = rng.randint(0, len(ids) - n)
         out.append(ids[start:start + n])
     return out
+
+
+# ---- reasoning models (tests/test_reasoning.py, and the Responses / Messages APIs' thinking) ----
+QWEN3_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}")
+R1_TEMPLATE = CHAT_TEMPLATE.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
+
+
+def thinking_prompt(tok, **kw) -> list[int]:
+    """The prompt "hello world" as a user turn, through the tokenizer's chat template."""
+    return tok.apply_chat_template([{"role": "user", "content": "hello world"}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=True, **kw)["input_ids"]
+
+
+def greedy_continuation(model, ids, n) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def make_thinking_checkpoint(out: Path, r1: bool) -> Path:
+    """qwen3: `<think>` / `</think>` added tokens; each tag's LM-head row a little longer than that of
+    a token greedy decoding picks (the first answer token, a later thinking token), so the model opens a
+    thinking and closes it after a few tokens. r1: plain-text tags, the template opens the thinking."""
+    from tokenizers import AddedToken
+    from transformers import AutoModelForCausalLM
+
+    tok = train_tokenizer()
+    if not r1:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    tok.chat_template = R1_TEMPLATE if r1 else QWEN3_TEMPLATE
+    eos, bos = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("qwen3", len(tok), eos, bos), dtype=torch.float32)
+    if not r1:
+        start, end = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+        rows, prompt = model.lm_head.weight.data, thinking_prompt(tok)
+        rows[start] = 1.05 * rows[greedy_continuation(model, prompt, 1)[0]]
+        rows[end] = 1.05 * rows[greedy_continuation(model, prompt + [start], 5)[4]]
+        made = greedy_continuation(model, prompt, 12)
+        assert made[0] == start and end in made[2:], made  # the construction holds: a thinking, opened and closed
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from models.native.cpu_path import ACTIVATIONS, DTYPES, QUANTIZATIONS
 from server.engine.spec_config import SpeculativeConfig
+from server.reasoning import CHOICES as REASONING_PARSERS
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
@@ -81,6 +82,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     worker_cpus: float = 1.0
+    # reasoning models (server/reasoning.py): deepseek_r1, qwen3, auto (from the chat template) or None;
+    # the thinking tokens a request may take before `</think>` is forced when it names no budget (-1: unlimited)
+    reasoning_parser: str | None = None
+    reasoning_budget: int = -1
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -117,6 +122,10 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         if self.worker_cpus <= 0:
             raise ValueError("worker_cpus must be positive")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, not {self.reasoning_parser!r}")
+        if not isinstance(self.reasoning_budget, int) or self.reasoning_budget < -1:
+            raise ValueError("reasoning_budget must be -1 (unlimited) or a token count >= 0")
         if self.world_size > 1 and self.kv_cache_dtype != "auto":
             raise ValueError("an 8-bit KV cache (kv_cache_dtype) is not supported with tensor or pipeline "
                              "parallelism: its scales are calibrated on the whole model")

@@ -25,6 +25,7 @@ class IncrementalDetokenizer:
         self.text = ""  # output text so far (stop string and after removed)
         self.num_emitted = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -45,7 +46,7 @@ class IncrementalDetokenizer:
             return None
         i, s = min(hits)
         self.text = self.text[:i]
-        self.stopped = True
+        self.stopped, self.matched = True, s
         return s
 
     def flush(self, finished: bool) -> str:

@@ -22,6 +22,13 @@ from server.engine.sampling_params import StructuredOutput
 CACHE_SIZE = 256  # compiled grammars kept (a JSON schema's is ~100 KB with this vocabulary)
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
+# What a float64 distinguishes: 17 significant digits, a 3-digit exponent; integers: int64.
+FLOAT_DIGITS, EXPONENT_DIGITS = 17, 3
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# A number bounded on one side only gets this bound on the other (xgrammar writes bounded numbers
+# without an exponent, so this is where their integer part stops: 17 digits)
+ONE_SIDED_NUMBER_LIMIT = 1e17
+
 
 def _xgr():
     import xgrammar  # noqa: PLC0415 - xgrammar: only once a request is constrained
@@ -34,14 +41,97 @@ def choice_ebnf(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def _digits(n: int) -> str:
+    return f" [0-9]{{{n},{n}}}" if n else ""
+
+
+def _at_most(limit: str) -> str:
+    """The numerals of exactly len(limit) digits, no leading zero, that are <= limit."""
+    alts = []
+    for i, d in enumerate(limit):
+        low = 1 if i == 0 else 0
+        prefix = "".join(f' "{c}"' for c in limit[:i])
+        if int(d) > low:
+            alts.append(f"{prefix} [{low}-{int(d) - 1}]{_digits(len(limit) - i - 1)}")
+    alts.append("".join(f' "{c}"' for c in limit))
+    return " | ".join(f"({a.strip()})" for a in alts)
+
+
+def _int64_rules() -> str:
+    """int64's numerals: up to 18 digits freely, 19 up to the limit on each side."""
+    short = f"[1-9] [0-9]{{0,{len(str(INT64_MAX)) - 2}}}"
+    return (f'f64_integer ::= "0" | f64_positive | ("-" f64_negative)\n'
+            f"f64_positive ::= ({short}) | {_at_most(str(INT64_MAX))}\n"
+            f"f64_negative ::= ({short}) | {_at_most(str(-INT64_MIN))}\n")
+
+
+def _number_rules() -> str:
+    """JSON numbers of at most FLOAT_DIGITS significant digits (a leading `0.` not counted, the
+    zeros after it are) and an exponent of at most EXPONENT_DIGITS digits."""
+    whole = [f'"0" ("." [0-9]{{1,{FLOAT_DIGITS}}})?']
+    for k in range(1, FLOAT_DIGITS + 1):  # k digits before the point, the rest after it
+        fraction = f' ("." [0-9]{{1,{FLOAT_DIGITS - k}}})?' if k < FLOAT_DIGITS else ""
+        whole.append(f"[1-9]{_digits(k - 1)}{fraction}")
+    return (f'f64_number ::= "-"? f64_mantissa ([eE] [+\\-]? [0-9]{{1,{EXPONENT_DIGITS}}})?\n'
+            f"f64_mantissa ::= " + " | ".join(f"({w})" for w in whole) + "\n")
+
+
+BOUNDED_RULES = _int64_rules() + _number_rules()
+# xgrammar's shared JSON rules, open-ended, and what replaces each
+_BASIC_RULE = re.compile(r"^(basic_integer|basic_number) ::= .*$", re.MULTILINE)
+_BOUNDED = {"basic_integer": "f64_integer", "basic_number": "f64_number"}
+# keywords whose values are data (or names), never subschemas; those whose values map names to subschemas
+_LITERAL_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example", "required", "title",
+                               "description", "pattern", "format", "$ref"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def bounded_schema(schema: Any) -> Any:
+    """The schema with every integer and number bounded on both sides where it is on one:
+    integers by int64, numbers by ONE_SIDED_NUMBER_LIMIT (xgrammar's ranges with one side open
+    repeat digits without end). Unbounded ones are left to the grammar's own bounded rules."""
+    if isinstance(schema, list):
+        return [bounded_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _LITERAL_KEYWORDS else
+               {n: bounded_schema(s) for n, s in v.items()} if k in _SCHEMA_MAPS and isinstance(v, dict) else
+               bounded_schema(v)) for k, v in schema.items()}
+    types = out.get("type")
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    low = "minimum" in out or "exclusiveMinimum" in out
+    high = "maximum" in out or "exclusiveMaximum" in out
+    if low != high and ("integer" in types or "number" in types):
+        integer = "number" not in types
+        if not low:
+            out["minimum"] = INT64_MIN if integer else -ONE_SIDED_NUMBER_LIMIT
+        if not high:
+            out["maximum"] = INT64_MAX if integer else ONE_SIDED_NUMBER_LIMIT
+    return out
+
+
+def json_grammar(schema_text: str, any_whitespace: bool) -> Any:
+    """A JSON schema's grammar whose numbers end: xgrammar's, with its open-ended integer and
+    number rules swapped for FLOAT_DIGITS / EXPONENT_DIGITS / int64 bounded ones.
+
+    NOTE: without this a model can write digits until max_tokens (`123.000000000000001230000...`):
+    JSON's number grammar never has to end."""
+    xgr = _xgr()
+    schema = json.dumps(bounded_schema(json.loads(schema_text)))
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=True))
+    ebnf, swapped = _BASIC_RULE.subn(lambda m: f"{m[1]} ::= {_BOUNDED[m[1]]}", ebnf)
+    if swapped != len(_BOUNDED):
+        raise RuntimeError(f"xgrammar's JSON grammar no longer has basic_integer and basic_number: {ebnf[:200]}")
+    return xgr.Grammar.from_ebnf(ebnf + BOUNDED_RULES)
+
+
 def to_grammar(spec: StructuredOutput) -> Any:
     """The spec as an `xgrammar.Grammar` (no tokenizer needed: cheap). Raises ValueError with
     xgrammar's own message when it cannot be compiled."""
     xgr = _xgr()
     try:
         if spec.kind in ("json", "json_object"):
-            text = spec.spec if spec.kind == "json" else '{"type": "object"}'
-            return xgr.Grammar.from_json_schema(text, any_whitespace=spec.any_whitespace, strict_mode=True)
+            return json_grammar(spec.spec if spec.kind == "json" else '{"type": "object"}', spec.any_whitespace)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.spec)
         if spec.kind == "choice":
@@ -135,6 +225,10 @@ class SequenceGrammar:
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """The tokens the grammar allows next, into row `row` of a step's bitmask."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
 
 def start_ready(requests: Sequence[Any]) -> tuple[list[tuple[Any, str]], list[Any]]:
     """Give each request (server.engine.request.Request) whose grammar finished compiling its matcher:
@@ -154,16 +248,17 @@ def start_ready(requests: Sequence[Any]) -> tuple[list[tuple[Any, str]], list[An
     return failed, pending
 
 
-def fill_bitmask(grammars: Sequence[SequenceGrammar | None], vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
+def fill_bitmask(grammars: Sequence[Any], vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
     """One step's masks: (R, ceil(V / 32)) int32 bits (1 = allowed), one row per constrained
     sequence, and their rows in the step's logits; None when there are none (a step without
-    constrained requests does nothing here)."""
+    constrained requests does nothing here). `grammars`: per logits row, what masks it (a
+    SequenceGrammar, or server/engine/thinking.py's forced token), or None."""
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return None
     bitmask = torch.empty(len(rows), -(-vocab_size // 32), dtype=torch.int32)  # (R, W)
     for k, i in enumerate(rows):
-        grammars[i].matcher.fill_next_token_bitmask(bitmask, k)
+        grammars[i].fill(bitmask, k)
     return bitmask, rows
 
 

@@ -17,6 +17,7 @@ from server.engine.sampler import SamplingBatch, sample
 from server.engine.scheduler import SchedulerOutput
 from server.engine.shard_worker import StepInputs
 from server.engine.step import choose_step
+from server.engine.thinking import constraint
 from server.wire import TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -80,9 +81,10 @@ class ModelRunner:
             if s.samples:
                 first = len(ids) - 1 - len(drafts)
                 logits_rows.extend(range(first, len(ids)))
-                rows.append((req, req.output_token_ids, req.grammar))
+                rows.append((req, req.output_token_ids, constraint(req.thinking, req.grammar)))
                 # NOTE: row i of a sequence with drafts follows drafts[:i]: its penalties count them as output
-                # (a constrained request gets no drafts, so masks stay one row per sequence)
+                # (a constrained request, or one whose next token is forced, gets no drafts: masks stay one
+                # row per sequence; drafts stop short of a thinking budget: server/engine/thinking.py)
                 rows.extend((req, req.output_token_ids + list(drafts[:i + 1]) if req.params.has_penalties else
                              req.output_token_ids, None) for i in range(len(drafts)))
         attn = AttentionMetadata.build_groups(

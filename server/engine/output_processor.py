@@ -43,7 +43,9 @@ class OutputProcessor:
         grammar, p, reason = req.grammar, req.params, None
         new: list[int] = []
         for token in tokens:
-            if grammar is not None and not grammar.accept(token):
+            # NOTE: a reasoning model's grammar applies to its answer, after the thinking (server/engine/thinking.py)
+            answer = req.thinking is None or req.thinking.take(token)
+            if grammar is not None and answer and not grammar.accept(token):
                 # NOTE: the mask left the model no token (a grammar with no way on): the sequence ends
                 # where it stands, and its text never leaves the grammar
                 reason = "stop"
@@ -55,7 +57,7 @@ class OutputProcessor:
                 reason = "stop"  # the stop token itself adds no text
             elif req.detokenizer is not None and req.detokenizer.append(token) is not None:
                 reason = "stop"
-            elif grammar is not None and grammar.is_terminated:
+            elif grammar is not None and answer and grammar.is_terminated:
                 reason = "stop"
             elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
                 reason = "length"
@@ -83,4 +85,5 @@ class OutputProcessor:
         group = self.groups.get(req.group_id)
         if group is not None and all(r.is_finished for r in group):
             del self.groups[req.group_id]
-        return RequestOutput(req.group_id, req.index, tokens, text, True, reason, lps, req.stats, error)
+        return RequestOutput(req.group_id, req.index, tokens, text, True, reason, lps, req.stats, error,
+                             req.detokenizer.matched if req.detokenizer else None)

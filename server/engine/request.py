@@ -9,6 +9,7 @@ import torch
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.grammar import SequenceGrammar
 from server.engine.sampling_params import SamplingParams
+from server.engine.thinking import Thinking
 from server.wire import RequestStats, TokenLogprob
 
 
@@ -39,6 +40,7 @@ class Request:
         self.logprobs: list[TokenLogprob] = []
         self.stats = RequestStats(arrival_time if arrival_time is not None else time.monotonic(), len(prompt_token_ids))
         self.grammar: SequenceGrammar | None = None  # constrained decoding (set by the engine)
+        self.thinking = Thinking(params.reasoning) if params.reasoning is not None else None  # a reasoning model's
         self.draft_token_ids: list[int] = []  # speculative decoding: proposed to follow, verified next step
         self.draft_acceptance = 1.0  # moving average of the fraction of drafts accepted (adaptive k)
         self.generator: torch.Generator | None = None

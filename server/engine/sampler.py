@@ -50,7 +50,7 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     """Temperature, then top-k, top-p and min-p as -inf masks (rows of greedy requests untouched)."""
     if all(p.greedy for p in params):
         return logits  # argmax needs neither temperature nor filters
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
     logits = logits / temps[:, None]
     if not any(p.has_filters for p in params):
         return logits
@@ -88,9 +88,13 @@ def draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     # a filtered (zero-probability) token never rises above its predecessor
     target = torch.minimum(uniform.to(logits.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     sampled = torch.searchsorted(cdf, target, right=True).squeeze(1)  # (B,)
-    if not bool(greedy.any()):
+    # NOTE: a row with no mass (every token masked: a grammar with no way on) has a NaN cdf, and
+    # searchsorted then answers V, a token the model does not have: such a row takes its argmax instead,
+    # which the grammar rejects, ending the sequence (OutputProcessor) rather than failing the step
+    fallback = greedy | ~(total.squeeze(1) > 0)
+    if not bool(fallback.any()):
         return sampled
-    return torch.where(greedy, logits.argmax(-1), sampled)
+    return torch.where(fallback, logits.argmax(-1), sampled)
 
 
 def token_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:

@@ -5,9 +5,12 @@ import math
 from dataclasses import dataclass
 
 from server.engine.errors import InvalidRequestError
+from server.reasoning import STARTS, THINKING
 
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0  # OpenAI's limit; the HTTP schema uses this one too
+# Below this a temperature is greedy (vLLM's epsilon): logits / 1e-300 are +-inf, whose softmax is NaN
+GREEDY_BELOW = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 
@@ -42,6 +45,24 @@ class StructuredOutput:
         return self.kind, self.spec, self.any_whitespace
 
 
+@dataclass(frozen=True)
+class Reasoning:
+    """A reasoning model's thinking as the engine follows it (server/engine/thinking.py): its tags as
+    tokens, where the answer starts (server/reasoning.py: inside the thinking, after it, or thinking only
+    if it opens the tag), and the thinking tokens before the end tag is forced (None: unlimited)."""
+
+    start_token_ids: tuple[int, ...]
+    end_token_ids: tuple[int, ...]
+    start: str = THINKING
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(len(self.start_token_ids) > 0 and len(self.end_token_ids) > 0, "reasoning", "tags must have tokens")
+        _check(self.start in STARTS, "reasoning", f"start must be one of {', '.join(STARTS)}")
+        _check(self.budget is None or (isinstance(self.budget, int) and self.budget >= 0), "thinking_token_budget",
+               "must be an integer >= 0")
+
+
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(f"{param}: {message}", param)
@@ -67,6 +88,8 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # constrained decoding: the text must match this
+    thinking_budget: int | None = None  # the request's (None: the server's); the replica makes it `reasoning`
+    reasoning: Reasoning | None = None  # a reasoning model's thinking: budget, and the grammar only after it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -90,10 +113,12 @@ class SamplingParams:
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be between 0 and {MAX_LOGPROBS}")
         _check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        _check(self.thinking_budget is None or (isinstance(self.thinking_budget, int) and self.thinking_budget >= 0),
+               "thinking_token_budget", "must be an integer >= 0")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

@@ -53,8 +53,8 @@ class Speculation:
             return
         self.drafting, start = True, time.perf_counter()
         caps = [min(self.spec.num_drafts(r.draft_acceptance), r.params.max_tokens - len(r.output_token_ids) - 1,
-                    self.max_model_len - r.num_tokens - 1) for r in running]
-        # NOTE: k drafts may emit k + 1 tokens: never more than max_tokens or the context allows
+                    self.max_model_len - r.num_tokens - 1, _thinking_cap(r, self.max_model_len)) for r in running]
+        # NOTE: k drafts may emit k + 1 tokens: never more than max_tokens, the context or a thinking budget allows
         chosen = [(r, c) for r, c in zip(running, caps) if c > 0]
         if chosen:
             drafts = self.proposer.propose([r for r, _ in chosen], [c for _, c in chosen])
@@ -62,3 +62,10 @@ class Speculation:
                 r.draft_token_ids = d
             self.catch_up = self.proposer.max_catch_up
         self.propose_s = time.perf_counter() - start
+
+
+def _thinking_cap(req, max_model_len: int) -> int:
+    """Drafts a reasoning model's thinking leaves room for (server/engine/thinking.py); no fewer than the
+    context would, where it sets no bound."""
+    cap = req.thinking.max_drafts() if req.thinking is not None else None
+    return max_model_len if cap is None else cap
