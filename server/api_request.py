@@ -19,14 +19,15 @@ class ApiLimits:
     max_n: int = 16
     max_tokens: int = 8192
     max_prompts: int = 32
+    max_embedding_inputs: int = 2048  # inputs of one POST /v1/embeddings (OpenAI's limit)
     max_body_bytes: int = 4 * 2**20
     max_concurrent_streams: int = 1024
     max_attention_tokens: int = 512  # POST /v1/attention: its answer grows with the prompt's square
     max_tool_calls: int = MAX_TOOL_CALLS  # calls in one answer (parallel_tool_calls: false = 1)
 
     def __post_init__(self) -> None:
-        if min(self.max_n, self.max_tokens, self.max_prompts, self.max_body_bytes, self.max_concurrent_streams,
-               self.max_attention_tokens, self.max_tool_calls) < 1:
+        if min(self.max_n, self.max_tokens, self.max_prompts, self.max_embedding_inputs, self.max_body_bytes,
+               self.max_concurrent_streams, self.max_attention_tokens, self.max_tool_calls) < 1:
             raise ValueError("API limits must be positive")
 
 
@@ -53,6 +54,9 @@ class ChatRequest:
 
 
 def chat_request(body: ChatCompletionRequest, limits: ApiLimits) -> ChatRequest:
+    if body.echo:
+        raise ApiError(400, "echo is only available on /v1/completions: a chat answer does not repeat its "
+                       "messages (prompt_logprobs scores them)", param="echo")
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
     requested = body.max_completion_tokens or body.max_tokens
@@ -83,8 +87,10 @@ def sampling_params(body, limits: ApiLimits, max_tokens: int | None, logprobs: i
         raise ApiError(400, f"n must be <= {limits.max_n}", param="n")
     if max_tokens is not None and max_tokens > limits.max_tokens:
         raise ApiError(400, f"max_tokens must be <= {limits.max_tokens}", param="max_tokens")
+    if body.prompt_logprobs is not None and body.stream:
+        raise ApiError(400, "prompt_logprobs is not available with stream=true (as in vLLM)", param="prompt_logprobs")
     kw: dict[str, Any] = {"n": body.n, "ignore_eos": body.ignore_eos, "logprobs": logprobs,
-                          "max_tokens": max_tokens or limits.max_tokens}
+                          "max_tokens": limits.max_tokens if max_tokens is None else max_tokens, "priority": body.priority}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         if getattr(body, name) is not None:
@@ -92,6 +98,7 @@ def sampling_params(body, limits: ApiLimits, max_tokens: int | None, logprobs: i
     kw["stop"] = tuple(body.stop or ())
     kw["stop_token_ids"] = tuple(body.stop_token_ids or ())
     kw["structured"] = constraint
+    kw["prompt_logprobs"] = body.prompt_logprobs
     try:
         return SamplingParams(**kw)
     except InvalidRequestError as e:

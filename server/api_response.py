@@ -9,7 +9,7 @@ from typing import Any
 
 from server.reasoning import ReasoningParser
 from server.tools import ToolCallParser, ToolChoice, assemble
-from server.wire import Chunk, LogprobEntry, PromptInfo
+from server.wire import Chunk, LogprobEntry, PromptInfo, PromptLogprob
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -30,9 +30,12 @@ class Sample:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     stop_reason: str | None = None  # the stop string that ended it
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None  # every prompt token (prompt_logprobs, echo)
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         self.num_tokens_so_far += len(chunk.token_ids)
         if chunk.logprobs:
             self.logprobs = (self.logprobs or []) + list(chunk.logprobs)
@@ -51,10 +54,16 @@ class Sample:
 class ChoiceBuilder:
     """One choice of a response (chat or completion). `add(chunk)` returns the choice objects of the
     streamed events the chunk makes (none while a tool-call tag may be forming); `whole()` is the
-    non-streamed choice. With `tools`, the text is parsed into tool calls as it comes, for both."""
+    non-streamed choice. With `tools`, the text is parsed into tool calls as it comes, for both.
 
-    def __init__(self, index: int, chat: bool, tools: ToolChoice | None = None, reasoning: str | None = None) -> None:
+    A completion's `echo` (the prompt's text) comes before its text, in the first event; its `logprobs`
+    (the request's k, None: not asked for) then start with the prompt's tokens, the first one's null."""
+
+    def __init__(self, index: int, chat: bool, tools: ToolChoice | None = None, reasoning: str | None = None,
+                 echo: str | None = None, logprobs: int | None = None) -> None:
         self.index, self.chat = index, chat
+        self.echo, self.k = echo, logprobs
+        self.echoed = False  # the first event carried the echo
         self.sample = Sample()
         # a reasoning model's chat (`reasoning`: where its answer starts): thinking -> reasoning_content
         self.reasoning = ReasoningParser(reasoning) if reasoning is not None else None
@@ -70,6 +79,10 @@ class ChoiceBuilder:
         if chunk.error:
             return []  # NOTE: the stream sends its error event instead; the text it had stays as it was
         if not self.chat:
+            if self.echo is not None and not self.echoed:
+                self.echoed = True
+                return [{"index": self.index, "finish_reason": chunk.finish_reason, "text": self.echo + chunk.text,
+                         "logprobs": self._echo_logprobs(chunk.logprobs, chunk.prompt_logprobs)}]
             return [{"index": self.index, "finish_reason": chunk.finish_reason, "text": chunk.text,
                      "logprobs": completion_logprobs(chunk.logprobs) if chunk.logprobs else None}]
         logprobs = chat_logprobs(chunk.logprobs) if chunk.logprobs else None
@@ -94,6 +107,9 @@ class ChoiceBuilder:
     def whole(self) -> dict[str, Any]:
         s = self.sample
         if not self.chat:
+            if self.echo is not None:
+                return {"index": self.index, "finish_reason": s.finish_reason, "text": self.echo + s.text,
+                        "logprobs": self._echo_logprobs(s.logprobs or (), s.prompt_logprobs)}
             return {"index": self.index, "finish_reason": s.finish_reason, "text": s.text,
                     "logprobs": completion_logprobs(s.logprobs) if s.logprobs is not None else None}
         message: dict[str, Any] = {"role": "assistant", "content": s.text if self.reasoning is None else self.content}
@@ -104,6 +120,13 @@ class ChoiceBuilder:
             message["reasoning_content"] = self.thought or None
         return {"index": self.index, "finish_reason": self._finish_reason(s.finish_reason), "message": message,
                 "logprobs": chat_logprobs(s.logprobs) if s.logprobs is not None else None, "stop_reason": s.stop_reason}
+
+    def _echo_logprobs(self, entries, prompt: tuple[PromptLogprob, ...] | None) -> dict[str, Any] | None:
+        """The prompt's tokens, then the answer's (None without logprobs, or when the sample ended before its
+        prompt's were computed)."""
+        if self.k is None or prompt is None:
+            return None
+        return completion_logprobs(entries, prompt, self.k)
 
     def _split(self, chunk: Chunk) -> tuple[str, str]:
         """The chunk's text as (reasoning, content). NOTE: before the tool-call parser, which sees only the answer."""
@@ -150,13 +173,32 @@ def usage_so_far(infos: list[PromptInfo], samples: list[Sample]) -> dict[str, in
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_logprobs(entries: list[LogprobEntry] | tuple[LogprobEntry, ...]) -> dict[str, Any]:
+def completion_logprobs(entries: list[LogprobEntry] | tuple[LogprobEntry, ...],
+                        prompt: tuple[PromptLogprob, ...] = (), k: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy shape; with echo the `prompt`'s tokens first (their `k` best as top_logprobs), the
+    first one's logprob and top_logprobs null, as OpenAI's were."""
+    rows = [(e.token, e.logprob, None if e.top is None else {t: v for _, t, v in e.top[:k]}) for e in prompt]
+    rows += [(e.token, e.logprob, {t: v for t, v, _ in e.top}) for e in entries]
     offsets, pos = [], 0
-    for e in entries:
+    for token, _, _ in rows:
         offsets.append(pos)
-        pos += len(e.token)
-    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t: v for t, v, _ in e.top} for e in entries], "text_offset": offsets}
+        pos += len(token)
+    return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
+            "top_logprobs": [r[2] for r in rows], "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(prompt: tuple[PromptLogprob, ...] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt_logprobs: null for the first token, then per token {id: {logprob, rank,
+    decoded_token}} for the prompt's own token and its alternatives (None: never computed)."""
+    if prompt is None:
+        return None
+    out: list[dict[str, Any] | None] = [None]
+    for e in prompt[1:]:
+        entry = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.token}}
+        for rank, (token_id, text, value) in enumerate(e.top or (), 1):
+            entry.setdefault(str(token_id), {"logprob": value, "rank": rank, "decoded_token": text})
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(entries: list[LogprobEntry] | tuple[LogprobEntry, ...]) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from models.corpus import HELD_OUT_PLAY, held_out_text
 from models.native.cpu_features import apply_isa_cap
 from models.native.cpu_path import ACTIVATIONS, DTYPES, QUANTIZATIONS
 from server import eval_results
-from server.engine.config import KV_CACHE_DTYPES, EngineConfig, parse_size
+from server.engine.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig, parse_size
+from server.engine.pooling import POOLING_CHOICES, TASKS
 from server.kv_forms import KV_CURVE_LENGTHS
 from server.metrics import fresh
 from server.reasoning import CHOICES as REASONING_PARSERS
@@ -69,9 +70,11 @@ def _engine_config(args: argparse.Namespace, model: str = "default"):
         kv_cache_memory=None if args.num_blocks else args.kv_cache_memory, num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, num_threads=args.threads, enforce_eager=args.enforce_eager,
-        max_waiting=getattr(args, "max_waiting", None), speculative_config=args.speculative_config,
+        max_waiting=getattr(args, "max_waiting", None), scheduling_policy=args.scheduling_policy,
+        speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         worker_cpus=args.worker_cpus, reasoning_parser=args.reasoning_parser, reasoning_budget=args.reasoning_budget,
+        task=args.task, pooling=args.pooling, embed_normalize=args.embed_normalize,
     )
 
 
@@ -354,6 +357,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
                    help="token budget per step")
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"], help="max running sequences")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d["scheduling_policy"],
+                   help="fcfs: requests in arrival order; priority: by each request's `priority` (lower first) for "
+                        "admission and preemption, arrival order among equals (as vLLM; fcfs refuses a priority "
+                        "other than 0)")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--threads", type=int, help="torch threads for model steps (per worker when sharded)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d["tensor_parallel_size"],
@@ -375,6 +382,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-budget", type=int, default=d["reasoning_budget"],
                    help="thinking tokens a request may take before </think> is forced, where it names no budget "
                         "(-1: unlimited)")
+    p.add_argument("--task", choices=TASKS, default=d["task"],
+                   help="what the model serves: generate, embed (POST /v1/embeddings only), generate,embed (both, "
+                        "in the same engine steps), or auto (embed for a sentence-transformers checkpoint: "
+                        "modules.json) (docs/embeddings.md)")
+    p.add_argument("--pooling", choices=POOLING_CHOICES, default=d["pooling"],
+                   help="an embedding model's pooling of its final hidden states: last token, mean, cls (the first "
+                        "token), or auto (the checkpoint's sentence-transformers config, else last)")
+    p.add_argument("--embed-normalize", action=argparse.BooleanOptionalAction, default=d["embed_normalize"],
+                   help="L2-normalise embeddings (default: as the checkpoint's sentence-transformers config says, "
+                        "else on)")
 
 
 def build_parser() -> argparse.ArgumentParser:

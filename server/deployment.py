@@ -33,7 +33,17 @@ from server.openai_api import ApiLimits, OpenAIApi
 from server.response_store import ResponseStore, StoreClient, StoreConfig
 from server.router import CacheAwareRouter, routing_stats
 from server.serve_config import ServeConfig
-from server.wire import AttentionCall, AttentionMap, Chunk, GenerateCall, MetricsSnapshot, ModelInfo, PromptInfo
+from server.wire import (
+    AttentionCall,
+    AttentionMap,
+    Chunk,
+    EmbedCall,
+    Embeddings,
+    GenerateCall,
+    MetricsSnapshot,
+    ModelInfo,
+    PromptInfo,
+)
 from server.worker import ModelWorker, encode_prompt
 
 logger = logging.getLogger(__name__)
@@ -247,6 +257,9 @@ class RayModelClient(ModelClient):
 
     async def health(self) -> bool:
         return await self._call("health")
+
+    async def embed(self, call: EmbedCall) -> Embeddings:
+        return await self._call("embed", call)
 
     async def encode(self, prompt, messages, add_special_tokens: bool, tools=None, template_kwargs=None) -> list[int]:
         return await self._call("encode", prompt, messages, add_special_tokens, tools, template_kwargs)

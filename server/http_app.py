@@ -31,6 +31,7 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     error_body,
 )
@@ -221,6 +222,10 @@ def create_app(api: OpenAIApi, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         return respond(await api.chat(body))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
+        return JSONResponse(await api.embeddings(body))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:

@@ -57,6 +57,7 @@ def one_two_five(lo: float, hi: float) -> tuple[float, ...]:
 
 KV_BYTES_BUCKETS = one_two_five(1e4, 1e11)
 GRAMMAR_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
 
 
 def seq_len_bucket(n: int) -> str:
@@ -88,10 +89,18 @@ HISTOGRAMS = {
     "e2e_request_latency_seconds": ("Arrival to last token", LATENCY_BUCKETS, "seq_len_bucket"),
     "request_queue_time_seconds": ("Arrival to first scheduling", LATENCY_BUCKETS, "seq_len_bucket"),
     "request_prefill_time_seconds": ("First scheduling to first token", LATENCY_BUCKETS, "seq_len_bucket"),
+    "request_decode_time_seconds": ("First token to last token", LATENCY_BUCKETS, "seq_len_bucket"),
+    "request_inference_time_seconds": ("First scheduling to last token", LATENCY_BUCKETS, "seq_len_bucket"),
+    "request_time_per_output_token_seconds": ("A request's mean gap between output tokens after the first",
+                                              ITL_BUCKETS, "seq_len_bucket"),
     "request_kv_cache_bytes": ("Peak KV-cache bytes held by one request", KV_BYTES_BUCKETS, "seq_len_bucket"),
     "request_kv_blocks": ("Peak KV blocks held by one request", None, "seq_len_bucket"),
     "request_prompt_tokens": ("Prompt tokens per request", None, None),
     "request_generation_tokens": ("Generated tokens per request", None, None),
+    "request_max_num_generation_tokens": ("Most tokens one sample of a request generated (once per request)",
+                                          None, None),
+    "request_params_n": ("Samples asked for per request (n)", N_BUCKETS, None),
+    "request_params_max_tokens": ("max_tokens per sample", None, None),
     "grammar_compile_seconds": ("A constrained request's arrival to its grammar ready (compiled, or from the "
                                 "cache: cache=hit)", GRAMMAR_BUCKETS, "cache"),
 }
@@ -147,10 +156,12 @@ class MetricsRecorder:
         self.errors: dict[str, int] = {}
         self.spec_drafted: list[int] = []  # speculative decoding: drafts at position i, summed over requests
         self.spec_accepted: list[int] = []
+        self.samples: dict[str, tuple[int, int]] = {}  # an n > 1 request's id -> (samples finished, most tokens)
         self.recent: deque = deque(maxlen=RECENT_REQUESTS)
         self.lock = threading.Lock()
 
-    def on_finished(self, s: RequestStats, finish_reason: str) -> None:
+    def on_finished(self, s: RequestStats, finish_reason: str, request_id: str = "") -> None:
+        """One sample finished; `request_id` (its request's, shared by the n samples) groups samples."""
         seq_len = s.num_prompt_tokens + s.num_output_tokens
         key = seq_len_bucket(seq_len)
         with self.lock:
@@ -160,7 +171,10 @@ class MetricsRecorder:
             h = self.histograms
             for name, value in (("time_to_first_token_seconds", s.ttft), ("e2e_request_latency_seconds", s.e2e_latency),
                                 ("request_queue_time_seconds", s.queue_time),
-                                ("request_prefill_time_seconds", s.prefill_time)):
+                                ("request_prefill_time_seconds", s.prefill_time),
+                                ("request_decode_time_seconds", s.decode_time),
+                                ("request_inference_time_seconds", s.inference_time),
+                                ("request_time_per_output_token_seconds", s.time_per_output_token)):
                 if value is not None:
                     h[name].observe(key, value)
             for gap in s.inter_token_latencies:
@@ -176,9 +190,26 @@ class MetricsRecorder:
             add_positions(self.spec_accepted, s.spec_accepted)
             h["request_prompt_tokens"].observe("", s.num_prompt_tokens)
             h["request_generation_tokens"].observe("", s.num_output_tokens)
+            h["request_params_max_tokens"].observe("", s.max_tokens)
+            most = self._last_sample(s, request_id)
+            if most is not None:
+                h["request_max_num_generation_tokens"].observe("", most)
+                h["request_params_n"].observe("", s.n)
             itl = sum(s.inter_token_latencies) / len(s.inter_token_latencies) if s.inter_token_latencies else None
             self.recent.append(RequestPoint(seq_len, s.num_prompt_tokens, s.num_output_tokens, s.peak_kv_bytes,
                                             s.ttft, itl, s.e2e_latency))
+
+    def _last_sample(self, s: RequestStats, request_id: str) -> int | None:
+        """The most tokens any sample of the request generated once its last sample finished, else None
+        (as vLLM counts a parallel-sampling request once). Under self.lock."""
+        if s.n == 1:
+            return s.num_output_tokens
+        done, most = self.samples.pop(request_id, (0, 0))
+        done, most = done + 1, max(most, s.num_output_tokens)
+        if done < s.n:
+            self.samples[request_id] = (done, most)
+            return None
+        return most
 
     def on_error(self, kind: str) -> None:
         with self.lock:
@@ -201,7 +232,9 @@ class MetricsRecorder:
         counters = {"prompt_tokens": e.num_prompt_tokens, "generation_tokens": e.num_generated_tokens,
                     "prefix_cache_queries": e.num_prefix_queries, "prefix_cache_hits": e.num_prefix_hits,
                     "preemptions": e.num_preemptions}
-        return MetricsSnapshot(self.model, info, time.time(), counters, gauges, hist, **counts)
+        by_priority = {str(p): n for p, n in e.preemptions_by_priority.items()}
+        return MetricsSnapshot(self.model, info, time.time(), counters, gauges, hist, **counts,
+                               preemptions_by_priority=by_priority)
 
 
 def block_bytes(kv_bytes_per_token: int, block_size: int, kv_block_bytes: int = 0) -> int:

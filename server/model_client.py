@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from contextlib import aclosing
 from typing import TYPE_CHECKING, AsyncIterator
 
-from server.wire import AttentionCall, AttentionMap, Chunk, GenerateCall, ModelInfo, PromptInfo
+from server.wire import AttentionCall, AttentionMap, Chunk, EmbedCall, Embeddings, GenerateCall, ModelInfo, PromptInfo
 
 if TYPE_CHECKING:  # NOTE: the API layer imports this module, and no torch
     from server.worker import ModelWorker
@@ -28,6 +28,10 @@ class ModelClient(ABC):
     def generate(self, call: GenerateCall) -> AsyncIterator[PromptInfo | Chunk]:
         """The prompt's `PromptInfo` (bad input fails before it), then its chunks; closing the stream
         aborts the request, which frees its KV blocks."""
+
+    @abstractmethod
+    async def embed(self, call: EmbedCall) -> Embeddings:
+        """Every input's embedding (an embedding model's: `ModelInfo.task` embed); bad input fails first."""
 
     @abstractmethod
     async def encode(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool,
@@ -71,6 +75,9 @@ class LocalModelClient(ModelClient):
         async with aclosing(self.worker.generate(call)) as stream:
             async for item in stream:
                 yield item
+
+    async def embed(self, call: EmbedCall) -> Embeddings:
+        return await self.worker.embed(call)
 
     async def encode(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool,
                      tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:

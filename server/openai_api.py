@@ -5,14 +5,18 @@ are Ray Serve handles in production and plain ModelWorkers in unit tests."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
+import numpy as np
+
 from server.api_request import ApiError, ApiLimits, chat_request, sampling_params, structured, template_input
-from server.api_response import ChoiceBuilder, sse, usage, usage_so_far
+from server.api_response import ChoiceBuilder, sse, usage, usage_so_far, vllm_prompt_logprobs
 from server.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from server.engine.pooling import NORM_EPS, serves
 from server.kv_forms import kv_curve
 from server.model_client import ModelClient
 from server.protocol import (
@@ -20,11 +24,12 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     error_body,
 )
 from server.tools import ToolChoice
-from server.wire import AttentionCall, Chunk, GenerateCall, ModelInfo, PromptInfo
+from server.wire import AttentionCall, Chunk, EmbedCall, GenerateCall, ModelInfo, PromptInfo
 
 __all__ = ["ApiError", "ApiLimits", "ModelClient", "OpenAIApi", "SSEStream"]
 
@@ -123,7 +128,10 @@ class OpenAIApi:
                          "num_kv_heads": info.num_kv_heads, "kv_bytes_per_token": info.kv_bytes_per_token,
                          "kv_cache_dtype": info.kv_cache_dtype, "quantization": info.quantization,
                          "weight_bytes": info.weight_bytes, "speculative": info.speculative,
-                         "reasoning_parser": info.reasoning_parser,
+                         "reasoning_parser": info.reasoning_parser, "scheduling_policy": info.scheduling_policy,
+                         # generate, embed (/v1/embeddings only) or generate,embed: the pooling and width
+                         "task": info.task, "pooling": info.pooling.as_dict() if info.pooling else None,
+                         "hidden_size": info.hidden_size,
                          "cpu_path": info.cpu_path.as_dict(),
                          # kv_bytes_per_token is a token of every layer; with sliding-window layers
                          # (layer_windows: per layer a window or null, [] = every layer global) a
@@ -179,6 +187,40 @@ class OpenAIApi:
                 "layers": [{"layer": i, "weights": w, "window": window, "sinks": result.sinks}
                            for (i, w), window in zip(result.layers, windows)]}
 
+    async def embeddings(self, body: EmbeddingRequest) -> dict[str, Any]:
+        """Each input's embedding (the model's pooling of its final hidden states), in input order; `usage`
+        counts the inputs' tokens. A model whose task has embed only: a generate-only one is a 400."""
+        client = self._client(body.model)
+        try:
+            info = await self._info(body.model)
+        except BaseException as e:
+            raise _as_api_error(e) from None
+        if not serves(info.task, "embed"):
+            raise ApiError(400, f"model {body.model!r} serves text generation, not embeddings (its task is "
+                           f"{info.task}; serve an embedding model, or start it with --task embed or generate,embed)",
+                           param="model")
+        if body.dimensions is not None and body.dimensions > info.hidden_size:
+            raise ApiError(400, f"dimensions ({body.dimensions}) exceeds the model's embedding size of "
+                           f"{info.hidden_size}", param="dimensions")
+        inputs = body.inputs()
+        if len(inputs) > self.limits.max_embedding_inputs:
+            raise ApiError(400, f"at most {self.limits.max_embedding_inputs} inputs per request", param="input")
+        call = EmbedCall(tuple(x if isinstance(x, str) else tuple(x) for x in inputs), f"embd-{uuid.uuid4().hex}")
+        self._admit_stream()
+        try:
+            result = await client.embed(call)
+        except BaseException as e:
+            raise _as_api_error(e) from None
+        finally:
+            self._release_stream()
+        normalize = info.pooling is not None and info.pooling.normalize
+        data = [{"object": "embedding", "index": i,
+                 "embedding": embedding_value(v, body.dimensions, normalize, body.encoding_format)}
+                for i, v in enumerate(result.vectors)]
+        tokens = result.num_prompt_tokens
+        return {"object": "list", "data": data, "model": body.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         client = self._client(body.model)
         try:
@@ -191,13 +233,20 @@ class OpenAIApi:
         prompts = body.prompts()
         if len(prompts) > self.limits.max_prompts:
             raise ApiError(400, f"at most {self.limits.max_prompts} prompts per request", param="prompt")
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens 0 is only allowed with echo (the prompt scored, nothing generated)",
+                           param="max_tokens")
         params = sampling_params(body, self.limits, body.max_tokens, body.logprobs, structured(body))
+        if body.echo and body.logprobs is not None:  # NOTE: echo's logprobs are the prompt's, from its prefill
+            params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs, params.prompt_logprobs or 0))
         rid = f"cmpl-{uuid.uuid4().hex}"
+        # NOTE: a text prompt is echoed as given; token ids as the replica decodes them
         calls = [GenerateCall(params, prompt=p if isinstance(p, str) else None,
                               prompt_token_ids=tuple(p) if isinstance(p, list) else None, request_id=f"{rid}-{i}",
-                              stream=body.stream)
+                              stream=body.stream, echo=body.echo and not isinstance(p, str))
                  for i, p in enumerate(prompts)]
-        return await self._run(client, calls, body, rid, "text_completion", chat=False)
+        echoes = [p if isinstance(p, str) else None for p in prompts] if body.echo else None
+        return await self._run(client, calls, body, rid, "text_completion", chat=False, echoes=echoes)
 
     async def chat(self, body: ChatCompletionRequest, raw: bool = False) -> dict[str, Any] | AsyncIterator:
         """`raw`: a streamed answer's events as dicts (the chunk objects, an `{"error": ...}` body),
@@ -212,7 +261,8 @@ class OpenAIApi:
         return await self._run(client, [call], body, rid, "chat.completion", chat=True, tools=req.parsing, raw=raw)
 
     async def _run(self, client, calls, body, rid: str, obj: str, chat: bool, tools: ToolChoice | None = None,
-                   raw: bool = False) -> dict[str, Any] | AsyncIterator:
+                   raw: bool = False, echoes: list[str | None] | None = None) -> dict[str, Any] | AsyncIterator:
+        """`echoes`: completions' echo, per prompt its text (None: the replica's decoding of its token ids)."""
         try:
             speculative = (await self._info(body.model)).speculative is not None  # usage then counts drafts
         except BaseException as e:
@@ -224,7 +274,10 @@ class OpenAIApi:
             self._release_stream()
             raise
         created, n = int(time.time()), body.n
-        choices = [ChoiceBuilder(i, chat, tools, streams[i // n][1].reasoning) for i in range(len(streams) * n)]
+        choices = [ChoiceBuilder(i, chat, tools, streams[i // n][1].reasoning,
+                                 echo=None if echoes is None else echoes[i // n] or streams[i // n][1].prompt_text or "",
+                                 logprobs=None if chat else body.logprobs)
+                   for i in range(len(streams) * n)]
 
         def ended(i: int) -> bool:
             """Every sample of prompt i ended, one of them by the API (ChoiceBuilder.stopped)."""
@@ -244,9 +297,16 @@ class OpenAIApi:
                 choices[i * n + chunk.index].add(chunk)
         finally:
             self._release_stream()
-        return {"id": rid, "object": obj, "created": created, "model": body.model,
-                "choices": [c.whole() for c in choices],
-                "usage": usage(infos, [c.sample for c in choices], speculative)}
+        answer = {"id": rid, "object": obj, "created": created, "model": body.model,
+                  "choices": [c.whole() for c in choices],
+                  "usage": usage(infos, [c.sample for c in choices], speculative)}
+        if body.prompt_logprobs is not None:  # vLLM's places: per choice of a completion, once for a chat
+            if chat:
+                answer["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].sample.prompt_logprobs)
+            else:
+                for c, whole in zip(choices, answer["choices"]):
+                    whole["prompt_logprobs"] = vllm_prompt_logprobs(c.sample.prompt_logprobs)
+        return answer
 
     async def _stream(self, streams, choices: list[ChoiceBuilder], n: int, head: dict[str, Any], chat: bool,
                       usage_mode: str | None, speculative: bool,
@@ -306,6 +366,17 @@ class SSEStream:
         for gen, _ in self.engine_streams:  # no-ops when the events already closed them
             await _close(gen)
         release()
+
+
+def embedding_value(vector: Any, dimensions: int | None, normalize: bool, encoding: str) -> list[float] | str:
+    """One embedding as OpenAI sends it: its first `dimensions` values (Matryoshka: renormalised where the
+    model normalises), as floats or as base64 of little-endian float32."""
+    v = np.asarray(vector, dtype=np.float32)
+    if dimensions is not None and dimensions < len(v):
+        v = v[:dimensions]
+        if normalize:
+            v = v / max(float(np.linalg.norm(v)), NORM_EPS)
+    return base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") if encoding == "base64" else v.tolist()
 
 
 def _as_api_error(e: BaseException) -> BaseException:

@@ -21,6 +21,7 @@ from server.metrics import (
     spec_counts,
     spec_totals,
 )
+from server.vllm_metrics import vllm_families
 from server.wire import MetricsSnapshot
 
 _LABELS = list(MODEL_LABELS)
@@ -65,6 +66,8 @@ def _counter_families() -> dict[str, CounterMetricFamily]:
         "errors": counter("request_errors", "Failed or rejected requests by error type", "error_type"),
         "structured": counter("structured_requests", "Finished constrained requests by kind (json, json_object, "
                               "regex, choice, grammar, tool_call)", "kind"),
+        "preemptions_by_priority": counter("preemptions_by_priority", "Requests preempted, by their priority "
+                                           "(--scheduling-policy priority; fcfs: all 0)", "priority"),
         **{name: counter(f"spec_decode_{name}", help_) for name, help_ in SPEC_COUNTERS.items()},
         **{name: counter(f"spec_decode_{name}", help_, "position") for name, help_ in SPEC_POS_COUNTERS.items()},
     }
@@ -95,7 +98,7 @@ def _add_gauges(g: dict[str, GaugeMetricFamily], lv: list[str], snaps: list[Metr
 def _add_counters(c: dict[str, CounterMetricFamily], lv: list[str], snaps: list[MetricsSnapshot]) -> None:
     for name in COUNTERS:
         c[name].add_metric(lv, sum(s.counters[name] for s in snaps))
-    for field in ("finish_reasons", "errors", "structured"):
+    for field in ("finish_reasons", "errors", "structured", "preemptions_by_priority"):
         merged: dict[str, int] = {}
         for s in snaps:
             for k, v in getattr(s, field).items():
@@ -112,10 +115,14 @@ def _add_counters(c: dict[str, CounterMetricFamily], lv: list[str], snaps: list[
 
 def _add_histograms(h: dict[str, HistogramMetricFamily], lv: list[str], snaps: list[MetricsSnapshot]) -> None:
     for name, fam in h.items():
-        buckets = snaps[0].histograms[name].buckets
+        # NOTE: a snapshot from an older replica may lack a newer histogram: it counts none there
+        have = [s.histograms[name] for s in snaps if name in s.histograms]
+        if not have:
+            continue
+        buckets = have[0].buckets
         merged: dict[str, list] = {}
-        for s in snaps:
-            for k, v in s.histograms[name].series.items():
+        for counts in have:
+            for k, v in counts.series.items():
                 acc = merged.setdefault(k, [0] * len(v))
                 for i, x in enumerate(v):
                     acc[i] += x
@@ -142,6 +149,7 @@ class _SnapshotCollector:
         yield from gauges.values()
         yield from counters.values()
         yield from hists.values()
+        yield from vllm_families(self.snapshots, self.now)
 
 
 def _edge(v: float) -> str:

@@ -5,7 +5,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-from server.engine.sampling_params import MAX_LOGPROBS, MAX_TEMPERATURE
+from server.engine.sampling_params import MAX_LOGPROBS, MAX_TEMPERATURE, PRIORITY_RANGE
 
 
 class _Body(BaseModel):
@@ -68,6 +68,10 @@ class _SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: per prompt token after the first, its logprob, rank and this many alternatives (whole answers only)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: lower is served first under --scheduling-policy priority; a 64-bit integer (engine: PRIORITY_RANGE)
+    priority: StrictInt = Field(0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
 
     @field_validator("stop")
     @classmethod
@@ -93,9 +97,9 @@ PromptType = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
-    max_tokens: StrictInt | None = Field(16, ge=1)
+    max_tokens: StrictInt | None = Field(16, ge=0)  # 0 only with echo: the prompt scored, nothing generated
     logprobs: StrictInt | None = Field(None, ge=0, le=5)
-    echo: StrictBool = False
+    echo: StrictBool = False  # the prompt's text (and with logprobs its tokens' logprobs) before the answer
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
@@ -108,8 +112,6 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.best_of not in (None, 1) or self.suffix:
             raise ValueError("best_of and suffix are not supported")
         return self
@@ -204,6 +206,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     thinking_token_budget: StrictInt | None = Field(None, ge=0)
+    echo: StrictBool | None = None  # NOTE: only so that echo=true is refused with its reason (api_request.chat_request)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -246,6 +249,32 @@ class AttentionRequest(_Body):
 class DetokenizeRequest(_Body):
     model: StrictStr
     tokens: list[StrictInt]
+
+
+class EmbeddingRequest(_Body):
+    """OpenAI's embeddings body: `input` a text, texts, token ids or lists of token ids; `encoding_format`
+    base64 is little-endian float32; `dimensions` keeps an embedding's first values (Matryoshka)."""
+
+    model: StrictStr
+    input: PromptType
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = Field(None, ge=1)
+    user: StrictStr | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _non_empty(cls, v):
+        if not v or (isinstance(v, list) and any(isinstance(x, (str, list)) and not x for x in v)):
+            raise ValueError("input must not be empty, nor hold an empty text or token list")
+        return v
+
+    def inputs(self) -> list[str | list[int]]:
+        v = self.input
+        if isinstance(v, str):
+            return [v]
+        if all(isinstance(x, int) for x in v):
+            return [list(v)]
+        return list(v)
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

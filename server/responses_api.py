@@ -132,7 +132,7 @@ def chat_body(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatComplet
     fmt = req.text.format if req.text is not None else None
     body: dict[str, Any] = {
         "model": req.model, "messages": messages, "stream": req.stream, "max_completion_tokens": req.max_output_tokens,
-        "temperature": req.temperature, "top_p": req.top_p, "user": req.user,
+        "temperature": req.temperature, "top_p": req.top_p, "user": req.user, "priority": req.priority,
         "parallel_tool_calls": req.parallel_tool_calls,
         "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
         "tools": [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}

@@ -16,7 +16,7 @@ from pydantic import (
     field_validator,
 )
 
-from server.engine.sampling_params import MAX_TEMPERATURE
+from server.engine.sampling_params import MAX_TEMPERATURE, PRIORITY_RANGE
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
@@ -147,6 +147,7 @@ class ResponsesRequest(_Body):
     metadata: dict[StrictStr, StrictStr] | None = Field(None, max_length=16)
     stream: StrictBool = False
     user: StrictStr | None = None
+    priority: StrictInt = Field(0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])  # vLLM's: --scheduling-policy priority
 
     @field_validator("metadata")
     @classmethod

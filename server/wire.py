@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from models.native.cpu_path import CpuPath
+from server.engine.pooling import Pooling
 from server.engine.sampling_params import SamplingParams
 
 
@@ -19,6 +20,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob) alternatives, best first
+    rank: int | None = None  # a prompt token's: 1 + the tokens more likely than it (vLLM's); None for sampled ones
 
 
 @dataclass
@@ -43,6 +45,8 @@ class RequestStats:
     grammar_cache_hit: bool = False
     spec_drafted: list[int] = field(default_factory=list)  # speculative decoding: drafts offered at position i
     spec_accepted: list[int] = field(default_factory=list)  # ... and accepted at position i
+    n: int = 1  # the request's samples (this is one of them) and its max_tokens: vLLM's request_params_*
+    max_tokens: int = 0
 
     @property
     def num_draft_tokens(self) -> int:
@@ -67,6 +71,28 @@ class RequestStats:
         return self.first_token_time - self.first_scheduled_time
 
     @property
+    def decode_time(self) -> float | None:
+        """First token to last token."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
+
+    @property
+    def inference_time(self) -> float | None:
+        """First scheduling to last token."""
+        if self.last_token_time is None or self.first_scheduled_time is None:
+            return None
+        return self.last_token_time - self.first_scheduled_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """The mean gap between output tokens after the first (0 with one token), as vLLM's
+        request_time_per_output_token_seconds: the prefill's token does not count."""
+        if self.decode_time is None:
+            return None
+        return self.decode_time / (self.num_output_tokens - 1) if self.num_output_tokens > 1 else 0.0
+
+    @property
     def e2e_latency(self) -> float | None:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
@@ -85,6 +111,9 @@ class RequestOutput:
     stats: RequestStats | None = None  # set on the final output
     error: str | None = None
     stop_reason: str | None = None  # the stop string that ended it (finish_reason "stop"), as vLLM reports it
+    # prompt_logprobs: per prompt token after the first, on the sample's first output
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    embedding: Any = None  # an embedding request's final output: its pooled vector, (hidden,) float32 numpy
 
 
 @dataclass(frozen=True)
@@ -107,6 +136,7 @@ class EngineStats:
     num_step_errors: int
     num_adds_received: int
     resident_memory_bytes: int  # the engine process's own
+    preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # the preempted request's priority -> count
 
     @property
     def kv_usage(self) -> float:
@@ -158,6 +188,10 @@ class ModelInfo:
     pipeline_parallel_size: int = 1
     workers: tuple[WorkerInfo, ...] = ()  # the ranks, when the model is sharded over several
     reasoning_parser: str | None = None  # server/reasoning.py: deepseek_r1 or qwen3 (auto resolved); None: off
+    scheduling_policy: str = "fcfs"  # fcfs, or priority: requests' `priority` orders admission and preemption
+    task: str = "generate"  # what the model serves: generate, or embed (/v1/embeddings; then `pooling` says how)
+    pooling: Pooling | None = None
+    hidden_size: int = 0  # an embedding's width (`dimensions` may truncate it)
 
 
 # ---- replica -> metrics hub ----------------------------------------------------------------------
@@ -211,6 +245,7 @@ class MetricsSnapshot:
     finish_reasons: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     structured: dict[str, int] = field(default_factory=dict)  # constrained requests by kind
+    preemptions_by_priority: dict[str, int] = field(default_factory=dict)  # the preempted request's priority -> count
     spec_drafted: tuple[int, ...] = ()  # speculative decoding: drafts at position i, summed over requests
     spec_accepted: tuple[int, ...] = ()
     recent: tuple[RequestPoint, ...] = ()
@@ -231,6 +266,7 @@ class AddRequest:
     params: SamplingParams
     arrival_time: float
     final_only: bool = False  # a non-streaming caller: one output per sample, when it finishes
+    embed: bool = False  # an embedding request: prefill only, one final output with its pooled vector
 
 
 @dataclass(frozen=True)
@@ -308,6 +344,18 @@ class LogprobEntry:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token as echo's logprobs and vLLM's prompt_logprobs show it: the first token has no
+    logprob, rank or alternatives (None); `top` is (token id, text, logprob), best first."""
+
+    token_id: int
+    token: str
+    logprob: float | None
+    rank: int | None
+    top: tuple[tuple[int, str, float], ...] | None
+
+
+@dataclass(frozen=True)
 class GenerateCall:
     """One prompt (text, token ids, or chat messages) and how to sample it."""
 
@@ -322,6 +370,25 @@ class GenerateCall:
     tools: tuple[dict, ...] | None = None  # OpenAI tool definitions for the chat template
     chat_template_kwargs: dict[str, Any] | None = None  # extra chat-template arguments ({"enable_thinking": False})
     chat: bool = False  # a chat's answer (kept when the ingress tokenizes its messages): reasoning applies
+    echo: bool = False  # completions' echo: the prompt's text comes back in PromptInfo
+
+
+@dataclass(frozen=True)
+class EmbedCall:
+    """The inputs of one `POST /v1/embeddings`: each a text (tokenized with the model's special tokens, as
+    sentence-transformers does) or token ids."""
+
+    inputs: tuple[str | tuple[int, ...], ...]
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """Per input, in order, its embedding at the model's full width ((hidden,) float32 numpy, normalised
+    where the model's pooling says), and the tokens the inputs took."""
+
+    vectors: tuple[Any, ...]
+    num_prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -353,6 +420,7 @@ class PromptInfo:
 
     num_prompt_tokens: int
     reasoning: str | None = None  # a reasoning model's chat: where its answer starts (server/reasoning.py STARTS)
+    prompt_text: str | None = None  # with echo: the prompt's token ids as text
 
 
 @dataclass(frozen=True)
@@ -371,3 +439,4 @@ class Chunk:
     num_accepted_tokens: int = 0  # ... and accepted
     error: str | None = None
     stop_reason: str | None = None  # the stop string that ended the sample
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None  # every prompt token, on the sample's first chunk

@@ -5,16 +5,18 @@ No Ray here: the Serve deployment wraps a ModelWorker, and unit tests can use on
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 from dataclasses import asdict, replace
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Iterator, Sequence
 
 from models.registry import resolve_model
 from models.tokenizer import load_tokenizer
-from server.engine.admission import check_token_ids, validate_request
+from server.engine.admission import check_token_ids, validate_embedding, validate_request
 from server.engine.config import EngineConfig
 from server.engine.core_client import EngineCoreClient
 from server.engine.errors import InvalidRequestError, QueueFullError
 from server.engine.grammar import check as check_grammar
+from server.engine.pooling import EMBED_PARAMS, serves
 from server.engine.sampling_params import Reasoning, SamplingParams
 from server.metrics import MetricsRecorder
 from server.reasoning import ANSWERING, END, START, answer_start, resolve
@@ -24,11 +26,14 @@ from server.wire import (
     AttentionCall,
     AttentionMap,
     Chunk,
+    EmbedCall,
+    Embeddings,
     GenerateCall,
     LogprobEntry,
     MetricsSnapshot,
     ModelInfo,
     PromptInfo,
+    PromptLogprob,
     RequestOutput,
     StepOutputs,
     TokenLogprob,
@@ -49,6 +54,16 @@ def _byte_level_table() -> dict[str, int]:
 
 
 _BYTE_LEVEL = _byte_level_table()
+
+
+async def _final_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """An embedding request's one output, read to the stream's end (a stream left early aborts)."""
+    final = None
+    async for out in stream:
+        final = out
+    if final is None or final.embedding is None:
+        raise RuntimeError(f"embedding failed: {final.error if final is not None else 'no output'}")
+    return final
 
 
 def byte_level_bytes(piece: str) -> tuple[int, ...] | None:
@@ -97,7 +112,7 @@ class ModelWorker:
         if self.metrics is not None:
             for out in step.outputs:
                 if out.finished and out.stats is not None:
-                    self.metrics.on_finished(out.stats, out.finish_reason)
+                    self.metrics.on_finished(out.stats, out.finish_reason, out.request_id)
 
     @property
     def is_healthy(self) -> bool:
@@ -150,6 +165,10 @@ class ModelWorker:
     async def generate(self, call: GenerateCall) -> AsyncIterator[PromptInfo | Chunk]:
         """PromptInfo, then Chunks until every sample has finished. Bad input raises
         InvalidRequestError before anything is yielded; closing the stream aborts."""
+        if not serves(self.info.task, "generate"):
+            self.metrics.on_error("invalid_request")
+            raise InvalidRequestError(f"model {self.name!r} serves embeddings (task embed), not text generation: "
+                                      "use /v1/embeddings", "model")
         if call.prompt_token_ids is not None:
             ids = list(call.prompt_token_ids)
         else:
@@ -161,22 +180,31 @@ class ModelWorker:
         params = self._thinking(call.params, start)
         if call.fit_max_tokens:
             params = replace(params, max_tokens=max(1, min(params.max_tokens, self.info.max_model_len - len(ids))))
-        try:
+        with self._counting_refusals():
             validate_request(self.info, ids, params)  # NOTE: the one validation of a request
             if params.structured is not None:  # off the event loop: a large schema takes a while
                 await asyncio.to_thread(check_grammar, params.structured)
             stream = self.engine.generate(ids, params, call.request_id, coalesce=True, final_only=not call.stream)
+        yield PromptInfo(len(ids), start, self.tokenizer.decode(ids) if call.echo else None)
+        # a non-streaming caller gets each sample once, whole (final_only): one message per
+        # sample from the engine and to the ingress, not one per token
+        scored: tuple[PromptLogprob, ...] | None = None  # the samples' prompt logprobs, as text once
+        async for out in stream:
+            if out.prompt_logprobs is not None and scored is None:
+                scored = self._prompt_logprobs(ids, out.prompt_logprobs)
+            yield self._chunk(out, scored if out.prompt_logprobs is not None else None)
+
+    @contextmanager
+    def _counting_refusals(self) -> Iterator[None]:
+        """A request refused before it reaches the engine counts in the error metrics, by why."""
+        try:
+            yield
         except InvalidRequestError:
             self.metrics.on_error("invalid_request")
             raise
         except QueueFullError:
             self.metrics.on_error("queue_full")
             raise
-        yield PromptInfo(len(ids), start)
-        # a non-streaming caller gets each sample once, whole (final_only): one message per
-        # sample from the engine and to the ingress, not one per token
-        async for out in stream:
-            yield self._chunk(out)
 
     def _thinking(self, params: SamplingParams, start: str | None) -> SamplingParams:
         """The engine follows a thinking where it can matter: with a budget (the request's, else the
@@ -204,7 +232,35 @@ class ModelWorker:
         return AttentionMap(tokens, tuple(ids), tuple((i, w.tolist()) for i, w in answer.layers),
                             windows=answer.windows, sinks=answer.sinks)
 
-    def _chunk(self, out: RequestOutput) -> Chunk:
+    async def embed(self, call: EmbedCall) -> Embeddings:
+        """Every input's embedding: all validated first (bad input is an InvalidRequestError, nothing queued),
+        then all in the engine at once, so that their prefills share steps (with generation too); if one
+        fails, the others are aborted (their KV blocks freed)."""
+        if not serves(self.info.task, "embed"):
+            self.metrics.on_error("invalid_request")
+            raise InvalidRequestError(f"model {self.name!r} serves text generation, not embeddings: serve an "
+                                      "embedding model (--task embed, or generate,embed)", "model")
+        prompts = [list(x) if isinstance(x, tuple) else encode_prompt(self.tokenizer, self.name, x)
+                   for x in call.inputs]
+        with self._counting_refusals():
+            for ids in prompts:
+                validate_embedding(self.info, ids)  # NOTE: the one validation of an embedding input
+            streams = [self.engine.generate(ids, EMBED_PARAMS, f"{call.request_id}-{i}", final_only=True, embed=True)
+                       for i, ids in enumerate(prompts)]
+        try:
+            async with asyncio.TaskGroup() as group:  # NOTE: one failing cancels the rest, which closes (aborts) them
+                finals = [group.create_task(_final_output(stream)) for stream in streams]
+        except ExceptionGroup as e:  # the first failure, as a lone input's would be
+            raise e.exceptions[0] from None
+        return Embeddings(tuple(f.result().embedding for f in finals), sum(map(len, prompts)))
+
+    def _prompt_logprobs(self, ids: Sequence[int], values: Sequence[TokenLogprob]) -> tuple[PromptLogprob, ...]:
+        """Every prompt token with its text: the first has no logprob; the others the engine's (`values`)."""
+        first = PromptLogprob(ids[0], self._token_str(ids[0])[0], None, None, None)
+        return (first, *(PromptLogprob(v.token_id, self._token_str(v.token_id)[0], v.logprob, v.rank,
+                                       tuple((t, self._token_str(t)[0], lp) for t, lp in v.top)) for v in values))
+
+    def _chunk(self, out: RequestOutput, prompt_logprobs: tuple[PromptLogprob, ...] | None = None) -> Chunk:
         s = out.stats
         return Chunk(
             index=out.index, text=out.new_text, token_ids=out.new_token_ids,
@@ -217,6 +273,7 @@ class ModelWorker:
             num_accepted_tokens=s.num_accepted_tokens if s else 0,
             error=out.error,
             stop_reason=out.stop_reason,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def shutdown(self) -> None:

@@ -133,9 +133,9 @@ def test_n_samples_share_the_prompt_blocks(engine):
 
 @pytest.mark.parametrize("kw,param", [
     ({"temperature": -1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": 1.5}, "top_p"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"),
+    ({"top_p": 1.5}, "top_p"), ({"top_p": 0}, "top_p"), ({"max_tokens": -1}, "max_tokens"), ({"n": 0}, "n"),
     ({"logprobs": 50}, "logprobs"), ({"stop": ["x"] * 40}, "stop"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"presence_penalty": 3}, "presence_penalty"), ({"top_k": -5}, "top_k"),
+    ({"presence_penalty": 3}, "presence_penalty"), ({"top_k": -5}, "top_k"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
 ])
 def test_invalid_params_name_the_field(kw, param):
     with pytest.raises(InvalidRequestError) as e:

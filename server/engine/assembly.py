@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvcache.manager import KVCacheManager
@@ -20,6 +21,7 @@ from models.transformer import DecoderLM
 from server.engine.config import EngineConfig, format_size
 from server.engine.executor import RayExecutor
 from server.engine.model_runner import DistributedRunner, ModelRunner
+from server.engine.pooling import BOTH, Pooling, resolve_pooling
 from server.engine.proposers import DraftModelProposer, NgramProposer, Proposer, check_vocabulary
 from server.engine.spec_config import SpeculativeConfig
 from server.wire import ModelInfo
@@ -43,6 +45,7 @@ class EngineParts:
     info: ModelInfo
     eos_token_ids: frozenset[int]
     weight_bytes: int  # as served (quantized, packed), every rank's together
+    pooling: Pooling | None = None  # an embedding model's (server/engine/pooling.py); None: it generates
 
     @property
     def max_model_len(self) -> int:
@@ -57,8 +60,10 @@ def assemble(config: EngineConfig, model: DecoderLM | None = None, tokenizer: An
     """`model`: one the caller loaded (its dtype is the one asked for), else loaded here, or sharded."""
     if config.world_size > 1:
         return _assemble_parallel(config, tokenizer)
+    given = Path(config.model).expanduser()
+    path = resolve_model(config.model) if model is None else given if given.exists() else None
+    pooling = resolve_pooling(path, config.task, config.pooling, config.embed_normalize)
     if model is None:
-        path = resolve_model(config.model)
         model = load_for_serving(path, config.dtype, config.device, quantization=config.quantization,
                                  activations=config.activations)
         tokenizer = tokenizer or load_tokenizer(path)
@@ -91,7 +96,7 @@ def assemble(config: EngineConfig, model: DecoderLM | None = None, tokenizer: An
                                                   compile=not config.enforce_eager, native=config.native_decoder),
                                       num_blocks, draft_spec)
     return _parts(config, model, tokenizer, model.config, model.cpu_path, kv_spec, num_blocks, cache, runner, None,
-                  proposer, weight_bytes)
+                  proposer, weight_bytes, pooling)
 
 
 def _assemble_parallel(config: EngineConfig, tokenizer: Any) -> EngineParts:
@@ -117,7 +122,8 @@ def _assemble_parallel(config: EngineConfig, tokenizer: Any) -> EngineParts:
 
 
 def _parts(config: EngineConfig, model, tokenizer, cfg: ModelConfig, cpu_path: CpuPath, kv_spec: KVCacheSpec,
-           num_blocks: int, cache, runner, executor, draft_proposer, weight_bytes: int) -> EngineParts:
+           num_blocks: int, cache, runner, executor, draft_proposer, weight_bytes: int,
+           pooling: Pooling | None = None) -> EngineParts:
     logger.info("attnserve step: %s", runner.step)
     spec = config.speculative_config
     proposer = draft_proposer
@@ -136,11 +142,13 @@ def _parts(config: EngineConfig, model, tokenizer, cfg: ModelConfig, cpu_path: C
         layer_windows=cfg.layer_windows, kv_block_bytes=kv_spec.bytes_per_block,
         attention_variants=cfg.attention_variants, tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
-        workers=executor.info if executor is not None else ())
+        workers=executor.info if executor is not None else (), scheduling_policy=config.scheduling_policy,
+        task="generate" if pooling is None else BOTH if config.task == BOTH else "embed", pooling=pooling,
+        hidden_size=cfg.hidden_size)
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, kv_spec.group_windows)
     return EngineParts(model=model, tokenizer=tokenizer, model_config=cfg, cpu_path=cpu_path, kv_spec=kv_spec, kv=kv,
                        cache=cache, runner=runner, executor=executor, spec=spec, proposer=proposer, info=info,
-                       eos_token_ids=frozenset(eos), weight_bytes=weight_bytes)
+                       eos_token_ids=frozenset(eos), weight_bytes=weight_bytes, pooling=pooling)
 
 
 def _describe(path: CpuPath) -> None:

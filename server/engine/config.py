@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from models.native.cpu_path import ACTIVATIONS, DTYPES, QUANTIZATIONS
+from server.engine.pooling import POOLING_CHOICES, TASKS
 from server.engine.spec_config import SpeculativeConfig
 from server.reasoning import CHOICES as REASONING_PARSERS
 
@@ -43,6 +44,7 @@ def format_size(n: int) -> str:
 
 CUDA_BLOCK_SIZE = 256
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype; fp8: 8-bit floats, scaled
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy (server/engine/scheduler.py)
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max positions
     max_waiting: int | None = None  # bounded waiting queue; None = unbounded
+    # fcfs: arrival order; priority: each request's `priority` (lower first) orders admission and preemption
+    scheduling_policy: str = "fcfs"
     num_threads: int | None = None  # torch intra-op threads for the step; None = torch's default
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: run the model eagerly, without torch.compile
@@ -86,6 +90,12 @@ class EngineConfig:
     # the thinking tokens a request may take before `</think>` is forced when it names no budget (-1: unlimited)
     reasoning_parser: str | None = None
     reasoning_budget: int = -1
+    # what the model serves (server/engine/pooling.py): generate, embed (/v1/embeddings: pooled hidden states),
+    # generate,embed (both), or auto (embed for a sentence-transformers checkpoint); an embedding model's
+    # pooling (auto: the checkpoint's, else last) and L2 normalisation (None: the checkpoint's, else on)
+    task: str = "auto"
+    pooling: str = "auto"
+    embed_normalize: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -112,6 +122,9 @@ class EngineConfig:
             raise ValueError("max_model_len must be positive")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"not {self.scheduling_policy!r}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError("num_threads must be positive")
         if self.dtype not in DTYPES:
@@ -126,6 +139,10 @@ class EngineConfig:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, not {self.reasoning_parser!r}")
         if not isinstance(self.reasoning_budget, int) or self.reasoning_budget < -1:
             raise ValueError("reasoning_budget must be -1 (unlimited) or a token count >= 0")
+        if self.task not in TASKS or self.pooling not in POOLING_CHOICES:
+            raise ValueError(f"task must be one of {', '.join(TASKS)} and pooling one of {', '.join(POOLING_CHOICES)}")
+        if self.world_size > 1 and self.task in ("embed", "generate,embed"):
+            raise ValueError("embeddings (task embed) are not supported with tensor or pipeline parallelism")
         if self.world_size > 1 and self.kv_cache_dtype != "auto":
             raise ValueError("an 8-bit KV cache (kv_cache_dtype) is not supported with tensor or pipeline "
                              "parallelism: its scales are calibrated on the whole model")

@@ -96,7 +96,7 @@ class EngineCore:
         if isinstance(command, AddRequest):
             try:
                 self.engine.add_validated(command.request_id, command.prompt_token_ids, command.params,
-                                          command.arrival_time, command.final_only)
+                                          command.arrival_time, command.final_only, embed=command.embed)
             except Exception as e:  # noqa: BLE001 - the request fails, the engine keeps serving
                 failed = tuple(RequestOutput(command.request_id, i, (), "", True, "error", error=str(e))
                                for i in range(command.params.n))

@@ -101,13 +101,14 @@ class EngineCoreClient:
         return self.dead is None and self.process.poll() is None
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                 coalesce: bool = False, final_only: bool = False) -> AsyncIterator[RequestOutput]:
+                 coalesce: bool = False, final_only: bool = False, embed: bool = False) -> AsyncIterator[RequestOutput]:
         """Check capacity now (raising QueueFullError), then stream outputs as they come.
 
         The caller validated the request. Closing the iterator early (client gone, task
         cancelled) aborts the request. With `coalesce`, outputs that queued up while the consumer
         was busy arrive merged (one per sample): a slow consumer costs one message per read. With
-        `final_only`, the engine sends each sample once, finished and whole.
+        `final_only`, the engine sends each sample once, finished and whole. With `embed`, the prompt is
+        only prefilled: its one output carries its embedding.
         """
         if not self.is_alive:
             raise EngineDeadError(f"engine process is not running: {self.dead or 'exited'}")
@@ -120,16 +121,17 @@ class EngineCoreClient:
             waiting = stats.num_waiting + self._adds_sent - stats.num_adds_received
             if waiting >= limit:
                 raise QueueFullError(f"waiting queue is full ({limit} requests); retry later")
-        return self._stream(request_id or uuid.uuid4().hex, tuple(prompt_token_ids), params, coalesce, final_only)
+        return self._stream(request_id or uuid.uuid4().hex, tuple(prompt_token_ids), params, coalesce, final_only,
+                            embed)
 
     async def _stream(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
-                      coalesce: bool, final_only: bool) -> AsyncIterator[RequestOutput]:
+                      coalesce: bool, final_only: bool, embed: bool = False) -> AsyncIterator[RequestOutput]:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         remaining, done = params.n, False
         try:
             self._adds_sent += 1
-            self._send(AddRequest(request_id, prompt, params, time.monotonic(), final_only))
+            self._send(AddRequest(request_id, prompt, params, time.monotonic(), final_only, embed=embed))
             while remaining:
                 items = [await q.get()]
                 while coalesce and not q.empty():
@@ -265,7 +267,8 @@ def join_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         return outputs[0]
     return replace(outputs[-1], new_token_ids=tuple(t for o in outputs for t in o.new_token_ids),
                    new_text="".join(o.new_text for o in outputs),
-                   new_logprobs=tuple(lp for o in outputs for lp in o.new_logprobs))
+                   new_logprobs=tuple(lp for o in outputs for lp in o.new_logprobs),
+                   prompt_logprobs=outputs[0].prompt_logprobs)  # NOTE: only a sample's first output has them
 
 
 def _resolve(future: asyncio.Future, value) -> None:

@@ -21,8 +21,9 @@ from server.engine.errors import InvalidRequestError
 from server.engine.executor import WorkerDiedError
 from server.engine.grammar import GrammarCache, SequenceGrammar, start_ready
 from server.engine.model_runner import Batch
-from server.engine.offline import CompletionResult, generate
+from server.engine.offline import CompletionResult, embed, generate
 from server.engine.output_processor import OutputProcessor
+from server.engine.pooling import PooledPrompt
 from server.engine.request import Request
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerOutput
@@ -39,10 +40,12 @@ class LLMEngine:
         self.model, self.tokenizer, self.model_config, self.info = p.model, p.tokenizer, p.model_config, p.info
         self.runner, self.cache, self.executor, self.kv, self.kv_spec = p.runner, p.cache, p.executor, p.kv, p.kv_spec
         self.spec, self.proposer, self.cpu_path, self.weight_bytes = p.spec, p.proposer, p.cpu_path, p.weight_bytes
+        self.pooling = p.pooling  # an embedding model's (server/engine/pooling.py); None: generation only
         self.eos_token_ids, self.max_model_len, self.num_blocks = p.eos_token_ids, p.max_model_len, p.num_blocks
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.kv_spec.bytes_per_block,
-                                   on_free=(lambda r: self.proposer.release(r.request_id)) if self.proposer else None)
+                                   on_free=(lambda r: self.proposer.release(r.request_id)) if self.proposer else None,
+                                   policy=config.scheduling_policy)
         self.outputs = OutputProcessor(self.scheduler, p.eos_token_ids, p.max_model_len)
         self.groups = self.outputs.groups  # NOTE: the one dict of unfinished requests, the processor's
         self.speculation = Speculation(p.spec, p.proposer, self.scheduler, p.max_model_len) if p.spec else None
@@ -62,24 +65,32 @@ class LLMEngine:
         self.add_validated(request_id, prompt_token_ids, params, arrival_time, final_only)
 
     def add_validated(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      arrival_time: float | None = None, final_only: bool = False) -> None:
+                      arrival_time: float | None = None, final_only: bool = False, embed: bool = False) -> None:
         """Queue a request its replica already validated (requests are validated once).
 
         With `final_only`, each sample yields one output, when it finishes, holding all its tokens,
-        text and logprobs: a non-streaming caller gets no message per step."""
+        text and logprobs: a non-streaming caller gets no message per step. With `embed`, the prompt is
+        prefilled (in the same steps as generation) and pooled, and its one output carries its embedding."""
         self.num_adds_received += 1
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if embed and (self.pooling is None or params.n != 1):
+            raise InvalidRequestError("this model does not serve embeddings (its task is generate)"
+                                      if self.pooling is None else "an embedding request has one sample", "model")
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        prompt_logprobs = [] if params.prompt_logprobs is not None else None  # NOTE: the samples share one
         group = [Request(request_id if params.n == 1 else f"{request_id}#{i}", list(prompt_token_ids), params,
-                         self._detokenizer(prompt_token_ids, params), index=i, group_id=request_id,
-                         arrival_time=arrival, final_only=final_only) for i in range(params.n)]
+                         None if embed else self._detokenizer(prompt_token_ids, params), index=i, group_id=request_id,
+                         arrival_time=arrival, final_only=final_only, prompt_logprobs=prompt_logprobs)
+                 for i in range(params.n)]
         if params.structured is not None:
             compiled, cache_hit = self.grammars.get(params.structured)
             for req in group:
                 req.grammar = SequenceGrammar(params.structured, compiled, cache_hit)
                 req.stats.structured = params.structured.label
             self.compiling.extend(group)
+        if embed:
+            group[0].embedding = PooledPrompt(self.pooling)
         self.groups[request_id] = group
         self.scheduler.add(group)
 
@@ -106,7 +117,7 @@ class LLMEngine:
             num_generated_tokens=self.outputs.num_generated_tokens, num_prefix_queries=sch.num_prefix_queries,
             num_prefix_hits=sch.num_prefix_hits, num_preemptions=sch.num_preemptions, num_steps=self.num_steps,
             num_step_errors=self.num_step_errors, num_adds_received=self.num_adds_received,
-            resident_memory_bytes=resident_bytes()[0])
+            resident_memory_bytes=resident_bytes()[0], preemptions_by_priority=dict(sch.preemptions_by_priority))
 
     # ---- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -121,13 +132,18 @@ class LLMEngine:
         out, batch, pending = self.in_flight.popleft()
         try:
             result = self.runner.finish(batch, pending)
+            pooled = self.runner.pooled(batch, pending)  # per embedding request of the step: its rows
         except WorkerDiedError:
             raise
         except Exception as e:
             return failed + self._fail(out, e)
         # NOTE: which sequences sampled is read before `advance`, which moves them on
         samplers = [s for s in out.seqs if s.samples]
+        self.outputs.add_prompt_logprobs(result.prompt_logprobs)  # NOTE: before the first output carries them
         outputs = self.outputs.process(samplers, result.token_ids, result.logprobs)
+        # NOTE: before `advance`: an embedding request ends in the step that finishes its prompt, and its
+        # blocks are freed at once, never cached
+        outputs += self.outputs.pool([s for s in out.seqs if s.request.embedding is not None], pooled)
         # NOTE: after the tokens are appended: accepted drafts become computed tokens, hashed into full blocks
         accepted = {s.request.request_id: len(t) - 1 for s, t in zip(samplers, result.token_ids) if s.draft_token_ids}
         self.scheduler.advance(out, accepted)
@@ -168,3 +184,7 @@ class LLMEngine:
                  params: SamplingParams | Sequence[SamplingParams]) -> list[list[CompletionResult]]:
         """Run prompts to completion; results per prompt (one per sample), in input order."""
         return generate(self, prompts, params)
+
+    def embed(self, prompts: Sequence[Sequence[int]]) -> list[Any]:
+        """Each prompt's embedding (an embedding model's engine), in input order: (hidden,) float32 numpy."""
+        return embed(self, prompts)

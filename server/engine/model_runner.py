@@ -13,7 +13,8 @@ from kvcache.storage import KVCacheSpec, PagedKVCache
 from models.transformer import DecoderLM
 from server.engine.grammar import apply_bitmask, fill_bitmask
 from server.engine.rejection_sampler import verify
-from server.engine.sampler import SamplingBatch, sample
+from server.engine.request import Request
+from server.engine.sampler import SamplingBatch, prompt_logprobs, sample
 from server.engine.scheduler import SchedulerOutput
 from server.engine.shard_worker import StepInputs
 from server.engine.step import choose_step
@@ -21,6 +22,16 @@ from server.engine.thinking import constraint
 from server.wire import TokenLogprob
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """A step's prompt positions whose next token's logprob their request asked for (prompt_logprobs):
+    their logits rows follow the sampling rows in `Batch.logits_indices`."""
+
+    targets: tuple[int, ...]  # (M,) the prompt token each row predicts
+    ks: tuple[int, ...]  # (M,) alternatives per row
+    seqs: tuple[tuple[Request, int, int], ...]  # (request, index of its first prompt logprob here, rows)
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,13 @@ class Batch:
     sampling: SamplingBatch  # one entry per logits row
     grammar_masks: tuple[torch.Tensor, list[int]] | None = None  # (R, V/32) allowed-token bits, their rows
     draft_token_ids: tuple[tuple[int, ...], ...] | None = None  # per sampling sequence, when any has drafts
+    prompt_rows: PromptRows | None = None  # rows after the sampling ones: prompt positions to score
+    pooling_rows: torch.Tensor | None = None  # (P,) the rows embedding requests pool (server/engine/pooling.py)
+    pooling_counts: tuple[int, ...] = ()  # per embedding sequence of the step, in order: its rows among them
+
+    @property
+    def num_sampling_rows(self) -> int:
+        return len(self.logits_indices) - (len(self.prompt_rows.targets) if self.prompt_rows is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -43,6 +61,16 @@ class StepResult:
 
     token_ids: tuple[tuple[int, ...], ...]
     logprobs: tuple[tuple[TokenLogprob | None, ...], ...]
+    # per request scored (prompt_logprobs): (request, index of its first prompt logprob here, them)
+    prompt_logprobs: tuple[tuple[Request, int, tuple[TokenLogprob, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A step `submit` started: its logits rows (R, V) or None, and its pooled rows (P, C) fp32 or None."""
+
+    logits: torch.Tensor | None
+    pooled: torch.Tensor | None
 
 
 class ModelRunner:
@@ -73,11 +101,20 @@ class ModelRunner:
         positions: list[np.ndarray] = []
         logits_rows: list[int] = []
         rows: list[tuple] = []  # per logits row: (request, output tokens so far, grammar)
+        scored: tuple[list[int], list[int], list[int], list[tuple]] = ([], [], [], [])  # PromptRows' + their rows
+        pool_rows: list[int] = []
+        pool_counts: list[int] = []
         for s in out.seqs:
             c, n, req, drafts = s.num_computed_tokens, s.num_new_tokens, s.request, s.draft_token_ids
+            if req.needs_prompt_logprobs:
+                _score_prompt(req, c, n, len(ids), *scored)
             ids.extend(req.all_token_ids[c:c + n])
             ids.extend(drafts)
             positions.append(np.arange(c, c + s.query_len))
+            if req.embedding is not None:
+                chosen = req.embedding.rows(c, n, req.num_tokens)
+                pool_rows.extend(len(ids) - n + i for i in chosen)
+                pool_counts.append(len(chosen))
             if s.samples:
                 first = len(ids) - 1 - len(drafts)
                 logits_rows.extend(range(first, len(ids)))
@@ -94,6 +131,8 @@ class ModelRunner:
         # NOTE: a matcher's state is its sequence's tokens so far, so the masks are filled before the step
         masks = fill_bitmask([g for _, _, g in rows], self.vocab_size)
         drafts = tuple(s.draft_token_ids for s in out.seqs if s.samples)
+        targets, ks, prompt_rows, seqs = scored
+        logits_rows.extend(prompt_rows)
         return Batch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
@@ -107,18 +146,22 @@ class ModelRunner:
             ),
             grammar_masks=masks,
             draft_token_ids=drafts if any(drafts) else None,
+            prompt_rows=PromptRows(tuple(targets), tuple(ks), tuple(seqs)) if seqs else None,
+            pooling_rows=torch.tensor(pool_rows, dtype=torch.long, device=self.device) if pool_counts else None,
+            pooling_counts=tuple(pool_counts),
         )
 
     def execute(self, batch: Batch) -> StepResult:
         return self.finish(batch, self.submit(batch))
 
     @torch.inference_mode()
-    def submit(self, batch: Batch):
-        """Start the step: here the model runs at once; the logits rows (R, V), or None."""
+    def submit(self, batch: Batch) -> Pending:
+        """Start the step: here the model runs at once."""
         hidden = self.forward(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.attn))  # (T, C)
+        pooled = hidden[batch.pooling_rows].float() if batch.pooling_rows is not None else None  # (P, C)
         if not len(batch.logits_indices):
-            return None
-        return self.model.logits(hidden[batch.logits_indices])  # (R, V) in the model's dtype
+            return Pending(None, pooled)
+        return Pending(self.model.logits(hidden[batch.logits_indices]), pooled)  # (R, V) in the model's dtype
 
     @torch.inference_mode()
     def finish(self, batch: Batch, pending) -> StepResult:
@@ -126,16 +169,49 @@ class ModelRunner:
         logits = self.logits_of(pending)
         if logits is None:
             return StepResult((), ())
+        scored: list[tuple[Request, int, tuple[TokenLogprob, ...]]] = []
+        if batch.prompt_rows is not None:  # NOTE: from the raw logits, before any mask or sampling field
+            r, rows = batch.num_sampling_rows, batch.prompt_rows
+            values, at = prompt_logprobs(logits[r:], rows.targets, rows.ks), 0
+            for req, first, m in rows.seqs:
+                scored.append((req, first, tuple(values[at:at + m])))
+                at += m
+            logits = logits[:r]
+            if not r:
+                return StepResult((), (), tuple(scored))
         if batch.grammar_masks is not None:
             apply_bitmask(logits, batch.grammar_masks)  # every sampling field then applies inside the mask
         if batch.draft_token_ids is not None:
             tokens, logprobs = verify(logits, batch.sampling, batch.draft_token_ids)
-            return StepResult(tuple(map(tuple, tokens)), tuple(map(tuple, logprobs)))
+            return StepResult(tuple(map(tuple, tokens)), tuple(map(tuple, logprobs)), tuple(scored))
         tokens, logprobs = sample(logits, batch.sampling)
-        return StepResult(tuple((t,) for t in tokens), tuple((lp,) for lp in logprobs))
+        return StepResult(tuple((t,) for t in tokens), tuple((lp,) for lp in logprobs), tuple(scored))
 
     def logits_of(self, pending):
-        return pending
+        return pending.logits
+
+    def pooled(self, batch: Batch, pending) -> tuple[torch.Tensor, ...]:
+        """Per embedding sequence of the step, in order: the (k, C) fp32 hidden-state rows its pooling reads."""
+        if pending.pooled is None:
+            return ()
+        return torch.split(pending.pooled, list(batch.pooling_counts))
+
+
+def _score_prompt(req: Request, c: int, n: int, offset: int, targets: list[int], ks: list[int], rows: list[int],
+                  seqs: list[tuple]) -> None:
+    """The rows of this chunk (`n` tokens from position `c`, packed from `offset`) whose logits give the
+    prompt logprobs `req` still lacks: position p's row predicts prompt token p + 1.
+
+    NOTE: a chunk never starts past the first missing one (no prefix hit skips it: the scheduler), and a
+    preempted request recomputes from 0 the positions it already has, which are not scored twice."""
+    have = len(req.prompt_logprobs)
+    lo, hi = max(c, have), min(c + n, req.num_prompt_tokens - 1)
+    if lo >= hi:
+        return
+    targets.extend(req.prompt_token_ids[lo + 1:hi + 1])
+    ks.extend([req.params.prompt_logprobs] * (hi - lo))
+    rows.extend(range(offset + lo - c, offset + hi - c))
+    seqs.append((req, lo, hi - lo))
 
 
 class DistributedRunner(ModelRunner):
@@ -156,3 +232,6 @@ class DistributedRunner(ModelRunner):
 
     def logits_of(self, pending):
         return self.executor.result(pending)
+
+    def pooled(self, batch: Batch, pending) -> tuple[torch.Tensor, ...]:
+        return ()  # NOTE: no embedding requests here: EngineConfig refuses task embed with tensor or pipeline parallelism

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from server.engine.admission import validate_embedding
+from server.engine.pooling import EMBED_PARAMS
 from server.engine.sampling_params import SamplingParams
 from server.wire import RequestOutput, TokenLogprob
 
@@ -20,6 +22,7 @@ class CompletionResult:
     finish_reason: str
     logprobs: tuple[TokenLogprob, ...]
     stats: Any
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # per prompt token after the first (prompt_logprobs)
 
 
 def generate(engine, prompts: Sequence[Sequence[int]],
@@ -31,6 +34,7 @@ def generate(engine, prompts: Sequence[Sequence[int]],
     texts: dict[tuple[str, int], list[str]] = {}
     logprobs: dict[tuple[str, int], list[TokenLogprob]] = {}
     finals: dict[tuple[str, int], RequestOutput] = {}
+    scored: dict[tuple[str, int], tuple[TokenLogprob, ...]] = {}
     for rid, prompt, p in zip(ids, prompts, params_list):
         engine.add_request(rid, list(prompt), p)
     while engine.has_unfinished():
@@ -39,6 +43,8 @@ def generate(engine, prompts: Sequence[Sequence[int]],
             tokens.setdefault(key, []).extend(o.new_token_ids)
             texts.setdefault(key, []).append(o.new_text)
             logprobs.setdefault(key, []).extend(o.new_logprobs)
+            if o.prompt_logprobs is not None:
+                scored[key] = o.prompt_logprobs
             if o.finished:
                 finals[key] = o
     results = []
@@ -48,6 +54,23 @@ def generate(engine, prompts: Sequence[Sequence[int]],
             f, key = finals[(rid, i)], (rid, i)
             group.append(CompletionResult(rid, i, tuple(prompt), tuple(tokens.get(key, [])),
                                           "".join(texts.get(key, [])), f.finish_reason,
-                                          tuple(logprobs.get(key, [])), f.stats))
+                                          tuple(logprobs.get(key, [])), f.stats, scored.get(key)))
         results.append(group)
     return results
+
+
+def embed(engine, prompts: Sequence[Sequence[int]]) -> list[Any]:
+    """Each prompt's embedding on `engine` (an LLMEngine of an embedding model), in input order: (hidden,)
+    float32 numpy arrays. All are queued at once, so their prefills share steps."""
+    ids = [f"embed-{engine.num_steps}-{i}" for i in range(len(prompts))]
+    for prompt in prompts:
+        validate_embedding(engine.info, prompt)
+    for rid, prompt in zip(ids, prompts):
+        engine.add_validated(rid, list(prompt), EMBED_PARAMS, final_only=True, embed=True)
+    finals: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    failed = [f"{rid}: {finals[rid].error}" for rid in ids if finals[rid].embedding is None]
+    if failed:
+        raise RuntimeError(f"embedding failed: {'; '.join(failed)}")
+    return [finals[rid].embedding for rid in ids]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from server.engine.request import Request, RequestStatus
 from server.engine.scheduler import Scheduler, SchedulerOutput
@@ -27,6 +28,27 @@ class OutputProcessor:
                    if not s.request.is_finished]
         return [o for o in outputs if o is not None]
 
+    @staticmethod
+    def add_prompt_logprobs(scored) -> None:
+        """A step's prompt logprobs (`StepResult.prompt_logprobs`) onto their requests' lists."""
+        for req, first, values in scored:
+            # NOTE: an aborted request's are dropped; a group's samples share one list, which one of them fills
+            if not req.is_finished and first == len(req.prompt_logprobs):
+                req.prompt_logprobs.extend(values)
+
+    def pool(self, seqs, rows) -> list[RequestOutput]:
+        """One step's embedding requests (`seqs`) and the hidden-state rows each pools (`rows`): added to its
+        pooling; a request whose prompt this step finished ends with its embedding (freeing its blocks at once)."""
+        outputs = []
+        for s, r in zip(seqs, rows):
+            req = s.request
+            if req.is_finished:  # NOTE: aborted while its step was in flight
+                continue
+            req.embedding.add(r, s.num_computed_tokens)
+            if s.ends:
+                outputs.append(self.final(req, "stop", (), embedding=req.embedding.vector()))
+        return outputs
+
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Every unfinished sample of a request, finished; unknown / finished ids are a no-op."""
         return [self.final(req, "abort", ()) for req in self.groups.pop(request_id, []) if not req.is_finished]
@@ -41,6 +63,8 @@ class OutputProcessor:
                    now: float) -> RequestOutput | None:
         """Append a step's tokens (one, or accepted drafts and one) until one of them ends the sequence."""
         grammar, p, reason = req.grammar, req.params, None
+        if p.max_tokens == 0:  # NOTE: only the prompt was asked for (echo): its step's token is not the answer's
+            return self.final(req, "length", ())
         new: list[int] = []
         for token in tokens:
             # NOTE: a reasoning model's grammar applies to its answer, after the thinking (server/engine/thinking.py)
@@ -70,11 +94,12 @@ class OutputProcessor:
             if req.final_only:
                 req.text_parts.append(text)
                 return None
-            return RequestOutput(req.group_id, req.index, tuple(new), text, False, None, lps)
+            return RequestOutput(req.group_id, req.index, tuple(new), text, False, None, lps,
+                                 prompt_logprobs=self._prompt_logprobs(req))
         return self.final(req, reason, tuple(new), lps)
 
     def final(self, req: Request, reason: str, tokens: tuple[int, ...], lps: tuple = (),
-              error: str | None = None) -> RequestOutput:
+              error: str | None = None, embedding: Any = None) -> RequestOutput:
         """Finish `req` (freeing its blocks) and build its last output."""
         if req.status != RequestStatus.FINISHED:
             self.scheduler.finish(req, reason)
@@ -86,4 +111,14 @@ class OutputProcessor:
         if group is not None and all(r.is_finished for r in group):
             del self.groups[req.group_id]
         return RequestOutput(req.group_id, req.index, tokens, text, True, reason, lps, req.stats, error,
-                             req.detokenizer.matched if req.detokenizer else None)
+                             req.detokenizer.matched if req.detokenizer else None,
+                             prompt_logprobs=self._prompt_logprobs(req), embedding=embedding)
+
+    @staticmethod
+    def _prompt_logprobs(req: Request) -> tuple[TokenLogprob, ...] | None:
+        """The prompt's logprobs, once, on the sample's first output (None: not asked for, sent, or never
+        complete: a request that ended before its prefill did)."""
+        if req.prompt_logprobs is None or req.prompt_logprobs_sent or req.needs_prompt_logprobs:
+            return None
+        req.prompt_logprobs_sent = True
+        return tuple(req.prompt_logprobs)

@@ -8,6 +8,7 @@ import torch
 
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.grammar import SequenceGrammar
+from server.engine.pooling import PooledPrompt
 from server.engine.sampling_params import SamplingParams
 from server.engine.thinking import Thinking
 from server.wire import RequestStats, TokenLogprob
@@ -23,7 +24,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  detokenizer: IncrementalDetokenizer | None,
                  index: int = 0, group_id: str | None = None, arrival_time: float | None = None,
-                 final_only: bool = False) -> None:
+                 final_only: bool = False, prompt_logprobs: list[TokenLogprob] | None = None) -> None:
         self.request_id = request_id
         self.group_id = group_id or request_id
         self.index = index
@@ -38,8 +39,14 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] = []
-        self.stats = RequestStats(arrival_time if arrival_time is not None else time.monotonic(), len(prompt_token_ids))
+        # prompt_logprobs: per prompt token after the first, as the prefill's chunks compute them; one list
+        # shared by a group's samples (the first computes it, its siblings then need none: prefix hits)
+        self.prompt_logprobs = prompt_logprobs
+        self.prompt_logprobs_sent = False  # on the sample's first output
+        self.stats = RequestStats(arrival_time if arrival_time is not None else time.monotonic(), len(prompt_token_ids),
+                                  n=params.n, max_tokens=params.max_tokens)
         self.grammar: SequenceGrammar | None = None  # constrained decoding (set by the engine)
+        self.embedding: PooledPrompt | None = None  # an embedding request's pooling so far (set by the engine)
         self.thinking = Thinking(params.reasoning) if params.reasoning is not None else None  # a reasoning model's
         self.draft_token_ids: list[int] = []  # speculative decoding: proposed to follow, verified next step
         self.draft_acceptance = 1.0  # moving average of the fraction of drafts accepted (adaptive k)
@@ -52,6 +59,11 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def priority(self) -> int:
+        """Lower is served first under the priority policy (server/engine/scheduler.py)."""
+        return self.params.priority
+
+    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
@@ -59,6 +71,11 @@ class Request:
     def num_new_tokens(self) -> int:
         """Tokens whose K/V is not computed yet (1 while decoding)."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Some of its prompt's logprobs are still to compute: no prefix-cache hit may skip their positions."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_ready(self) -> bool:

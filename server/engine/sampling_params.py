@@ -13,6 +13,7 @@ MAX_TEMPERATURE = 2.0  # OpenAI's limit; the HTTP schema uses this one too
 GREEDY_BELOW = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+PRIORITY_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit integer, as vLLM's (and the HTTP schema's) priority
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -85,16 +86,23 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # alternatives per token; 0 = only the sampled token's logprob
+    # per prompt token after the first, its logprob, its rank and this many alternatives (vLLM's field;
+    # completions' echo); computed in the prefill that serves the request
+    prompt_logprobs: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # constrained decoding: the text must match this
     thinking_budget: int | None = None  # the request's (None: the server's); the replica makes it `reasoning`
     reasoning: Reasoning | None = None  # a reasoning model's thinking: budget, and the grammar only after it
+    # scheduling, not sampling: lower is served first under --scheduling-policy priority (vLLM's field);
+    # here so that every path that carries a request's params carries it
+    priority: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        # NOTE: 0 only scores the prompt (completions' echo): the API allows it only there
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 0, "max_tokens", "must be an integer >= 0")
         _check(math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
                f"must be in [0, {MAX_TEMPERATURE:g}]")
         _check(math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
@@ -112,7 +120,13 @@ class SamplingParams:
                "must be in (0, 10]")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be between 0 and {MAX_LOGPROBS}")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", f"must be between 0 and {MAX_LOGPROBS}")
         _check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        _check(isinstance(self.priority, int) and not isinstance(self.priority, bool)
+               and PRIORITY_RANGE[0] <= self.priority <= PRIORITY_RANGE[1], "priority",
+               f"must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}]")
         _check(self.thinking_budget is None or (isinstance(self.thinking_budget, int) and self.thinking_budget >= 0),
                "thinking_token_budget", "must be an integer >= 0")
 

@@ -46,7 +46,9 @@ class Speculation:
 
     def _propose(self) -> None:
         """Drafts for the next step, if they pay at this batch size."""
-        running = [r for r in self.scheduler.running if r.num_new_tokens == 1 and r.grammar is None]
+        # NOTE: an embedding request's last prompt token is no decode: it gets no drafts
+        running = [r for r in self.scheduler.running
+                   if r.num_new_tokens == 1 and r.grammar is None and r.embedding is None]
         limit, batch = self.spec.disable_by_batch_size, len(self.scheduler.running)
         self.drafting, self.propose_s, self.catch_up = False, 0.0, 0
         if not running or (limit is not None and batch > limit) or (self.gate is not None and not self.gate.use(batch)):
