@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 from server.engine.errors import InvalidRequestError
 from server.engine.sampling_params import SamplingParams, StructuredOutput
 from server.protocol import ChatCompletionRequest, error_body
@@ -39,6 +41,17 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(str(self), self.type, self.param, self.code)
+
+
+def validated(model: type[BaseModel], fields: dict[str, Any]) -> Any:
+    """A body another API's request was translated into (Responses, Messages): one the schema refuses is
+    the client's input, a 400 naming the field."""
+    try:
+        return model.model_validate(fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ApiError(400, f"{where}: {first['msg']}", param=where or None) from None
 
 
 @dataclass(frozen=True)

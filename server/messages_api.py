@@ -12,8 +12,8 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
+from server.api_request import validated
 from server.event_stream import EventStream, EventStreamResponse, named_sse
 from server.messages_protocol import (
     MESSAGES_PATH,
@@ -111,19 +111,11 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     if config is not None and config.format is not None:
         fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
                                                                             "schema": config.format.schema_}}
-    return _validated(ChatCompletionRequest, fields)
+    return validated(ChatCompletionRequest, fields)
 
 
 def _template_kwargs(body: CountTokensRequest) -> dict[str, Any] | None:
     return {"enable_thinking": False} if isinstance(body.thinking, ThinkingDisabled) else None
-
-
-def _validated(model: type, fields: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(fields)
-    except ValidationError as e:  # a translated body the chat schema refuses: the client's input, a 400
-        first = e.errors()[0]
-        raise ApiError(400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
 
 
 class MessageBuilder:
@@ -271,7 +263,7 @@ def add_messages_routes(app: FastAPI, api: OpenAIApi) -> None:
     async def count_tokens(body: CountTokensRequest) -> JSONResponse:
         tools = chat_tools(body)
         calling = tools.get("tools") and tools.get("tool_choice") != "none"
-        request = _validated(TokenizeRequest, {"model": body.model, "messages": chat_messages(body),
+        request = validated(TokenizeRequest, {"model": body.model, "messages": chat_messages(body),
                                                "tools": tools["tools"] if calling else None,
                                                "chat_template_kwargs": _template_kwargs(body)})
         return JSONResponse({"input_tokens": (await api.tokenize(request))["count"]})

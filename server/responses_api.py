@@ -9,9 +9,8 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
-from server.api_request import ApiError
+from server.api_request import ApiError, validated
 from server.event_stream import EventStream, EventStreamResponse, named_sse
 from server.openai_api import OpenAIApi
 from server.protocol import ChatCompletionRequest
@@ -146,11 +145,9 @@ def chat_body(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatComplet
     if req.stream:
         body["stream_options"] = {"include_usage": True}
     try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise _renamed(ApiError(400, f"{param}: {first['msg']}", param=param)) from None
+        return validated(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})
+    except ApiError as e:
+        raise _renamed(e) from None
 
 
 def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
