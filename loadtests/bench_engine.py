@@ -226,8 +226,10 @@ def peer_python(args) -> Path:
     return Path(args.peers_venv) / "bin" / "python"
 
 
-def bench_vllm(args, prompts, steps, default_binding: bool = False) -> dict:
-    """vLLM in its own venv and process (it pins transformers<5.20); skipped when the venv is missing."""
+def run_vllm(args, script: str, spec: dict, default_binding: bool = False) -> dict:
+    """loadtests/`script` in vLLM's venv and process (it pins transformers<5.20): `spec` in, its JSON out;
+    {"skipped": why} when the venv is missing or the script fails. Its OpenMP threads get cores
+    0..args.threads-1 with none kept for its frontend, unless `default_binding`."""
     python = peer_python(args)
     if not python.exists():
         return {"skipped": f"{python} not found: run `make peers` to install vLLM's CPU build"}
@@ -236,15 +238,48 @@ def bench_vllm(args, prompts, steps, default_binding: bool = False) -> dict:
     if not default_binding:
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     with tempfile.TemporaryDirectory() as tmp:
-        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"model": str(resolve_model(args.model)), "dtype": args.dtype,
-                                    "prompts": prompts, "max_tokens": args.max_tokens, "repeats": args.repeats,
-                                    "max_model_len": 2048, **steps}))
-        proc = subprocess.run([str(python), str(Path(__file__).with_name("vllm_engine.py")), str(spec), str(out)],
+        spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        proc = subprocess.run([str(python), str(Path(__file__).with_name(script)), str(spec_path), str(out)],
                               cwd=tmp, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
+        # NOTE: the scripts write `out` once every figure is taken, so a crash after that (vLLM's teardown)
+        # loses nothing; a smoke run once died with "terminate called without an active exception"
+        if proc.returncode != 0 and not out.exists():
             return {"skipped": f"vLLM failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"}
         return json.loads(out.read_text())
+
+
+def peer_parser(doc: str, systems: tuple[str, ...], quantization: str) -> argparse.ArgumentParser:
+    """The options of a benchmark of attnserve against vLLM side by side (bench_embeddings, bench_prompt_logprobs)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default")
+    p.add_argument("--systems", default=",".join(systems), help=f"comma-separated, from {', '.join(systems)}")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: what the engine chooses on this CPU")
+    p.add_argument("--quantization", default=quantization, choices=QUANTIZATIONS,
+                   help="attnserve's weights (auto: as served; none: the checkpoint's, as vLLM reads them)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--peers-venv", default=str(ROOT / ".venv-peers"), help="where `make peers` put vLLM")
+    p.add_argument("--json", help="write results here")
+    return p
+
+
+def peer_systems(p: argparse.ArgumentParser, args, systems: tuple[str, ...]) -> list[str]:
+    """The systems asked for; sets the threads, and the dtype both run: the engine's choice here (auto: bf16
+    only where it is native)."""
+    chosen = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if set(chosen) - set(systems):
+        p.error(f"unknown systems {sorted(set(chosen) - set(systems))}; choose from {', '.join(systems)}")
+    torch.set_num_threads(args.threads)
+    args.dtype = serving_dtype(resolve_model(args.model), args.dtype)
+    return chosen
+
+
+def bench_vllm(args, prompts, steps, default_binding: bool = False) -> dict:
+    """The same workload through vLLM's engine (vllm_engine.py)."""
+    return run_vllm(args, "vllm_engine.py", {"model": str(resolve_model(args.model)), "dtype": args.dtype,
+                                             "prompts": prompts, "max_tokens": args.max_tokens,
+                                             "repeats": args.repeats, "max_model_len": 2048, **steps},
+                    default_binding)
 
 
 def llama_cpp_builds(args) -> list[Path]:

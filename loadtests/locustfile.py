@@ -6,7 +6,10 @@ Environment:
 
 Streaming users read the SSE body chunk by chunk as it arrives (FastHttpUser.iter_lines buffers
 1 KiB, which would hide the first token) and fire their own `TTFT` and `ITL` request events;
-`TOKENS` events carry the output token count in `response_length`.
+`TOKENS` events carry the output token count in `response_length`. `_OpenAIUser.stream` serves chat
+and text completions alike (loadtests/priority_locustfile.py streams both); where a body asks for
+`continuous_usage_stats`, a TTFT or ITL event's `response_length` is the tokens its chunk brought (the
+server merges the chunks a slow reader missed), so that tokens can be counted as they arrive.
 """
 from __future__ import annotations
 
@@ -62,13 +65,17 @@ class _OpenAIUser(HttpUser):
     def pick(self) -> tuple[str, dict]:
         return next(self.model_cycle), self.rng.choice(self.records)
 
-    def stream_chat(self, model: str, record: dict, name: str) -> None:
-        body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+    def chat_body(self, model: str, record: dict) -> dict:
+        return {"model": model, "stream": True, "stream_options": {"include_usage": True},
                 "max_tokens": min(record["max_tokens"], self.max_tokens_cap), "temperature": 0.7,
                 "messages": [{"role": "user", "content": f"{record['prompt']}\n\nContinue this text."}]}
+
+    def stream(self, path: str, body: dict, name: str) -> None:
+        """POST a streamed `body` to `path` (/v1/chat/completions or /v1/completions); TTFT, ITL and
+        TOKENS events under `name`."""
         start = time.perf_counter()
-        last, tokens, usage_tokens, error, finish = None, 0, None, None, None
-        with self.client.post("/v1/chat/completions", json=body, stream=True, name=name, catch_response=True) as resp:
+        last, tokens, usage_tokens, error, finish, counted = None, 0, None, None, None, 0
+        with self.client.post(path, json=body, stream=True, name=name, catch_response=True) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
                 return
@@ -83,16 +90,19 @@ class _OpenAIUser(HttpUser):
                     if "error" in data:
                         error = data["error"].get("message", "error")
                         continue
-                    if data.get("usage"):
-                        usage_tokens = data["usage"].get("completion_tokens")
+                    usage = data.get("usage")
+                    if usage:
+                        usage_tokens = usage.get("completion_tokens")
                     choices = data.get("choices") or []
                     finish = (choices[0].get("finish_reason") if choices else None) or finish
-                    if choices and choices[0].get("delta", {}).get("content"):
+                    if choices and (choices[0].get("delta", {}).get("content") or choices[0].get("text")):
                         now = time.perf_counter()
+                        brought = usage_tokens - counted if usage and usage_tokens is not None else 0
+                        counted += brought
                         if last is None:
-                            fire(self.environment, "TTFT", name, now - start)
+                            fire(self.environment, "TTFT", name, now - start, brought)
                         else:
-                            fire(self.environment, "ITL", name, now - last)
+                            fire(self.environment, "ITL", name, now - last, brought)
                         last, tokens = now, tokens + 1
             if error:
                 resp.failure(error)
@@ -110,7 +120,7 @@ class _StreamingChatUser(_OpenAIUser):
     @task
     def chat(self) -> None:
         model, record = self.pick()
-        self.stream_chat(model, record, self.request_name.format(model=model))
+        self.stream("/v1/chat/completions", self.chat_body(model, record), self.request_name.format(model=model))
 
 
 class ChatStreamUser(_StreamingChatUser):

@@ -1,99 +1,133 @@
-"""Interactive TTFT beside saturating batch traffic: what `--scheduling-policy priority` buys.
+"""Issue 38's priority target under locust: a priority-0 interactive request's time to first token beside
+saturating batch traffic, `--scheduling-policy priority` against fcfs (target: p50 <= 0.3x fcfs's).
 
-    attnserve serve --scheduling-policy priority ...   then
-    python loadtests/priority_ttft.py --url http://127.0.0.1:8000 --batch-priority 10
-    attnserve serve ...                                (fcfs, the default) then
-    python loadtests/priority_ttft.py --url http://127.0.0.1:8000 --batch-priority 0
+    python loadtests/priority_ttft.py --repeats 3 --warmup 20 --duration 60
 
-`--batch` streams of long completions keep the engine saturated (each replaced as it ends) at
-`--batch-priority`; meanwhile one short streamed chat request at priority 0 every `--interval`
-seconds measures its time to the first content token. Prints the interactive TTFT p50 / p90 and the
-batch tokens/s as JSON. Compare the two runs' p50 (issue 38's target: priority's <= 0.3x fcfs's).
-A fcfs server refuses a priority other than 0, so its run sends 0 everywhere.
+Each run starts `attnserve serve --max-num-seqs 8 --scheduling-policy <policy>` on a free port and runs
+loadtests/priority_locustfile.py headless against it: --batch-users streams of --batch-tokens-token
+completions (ignore_eos) back to back, at --batch-priority under priority and at 0 under fcfs (which
+refuses any other), beside --interactive-users that each send a short streamed chat request at priority 0
+every --interval s. The stats are reset after --warmup s; locust stops --duration s later without waiting
+for requests in flight (a probe still waiting then goes uncounted: fcfs's p50 leans low, the ratio high).
+The policies alternate over --repeats pairs (priority first in odd pairs, fcfs first in even ones). Prints
+a markdown table: interactive TTFT p50 / p90 and batch output tok/s per policy, and priority / fcfs, per
+pair and as medians over the pairs. Locust's CSVs, the server logs and results.json go to --out.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-BATCH_PROMPT = "Write a long story about a lighthouse keeper and the sea. " * 4
-QUESTION = "What is the capital of France?"
+from loadtests.run_loadtest import _rows, run_locust  # noqa: E402
+from loadtests.servers import ROOT, attnserve_cmd, free_port, running  # noqa: E402
+from loadtests.workload import DEFAULT_WORKLOAD  # noqa: E402
 
-
-async def first_token_s(client: httpx.AsyncClient, url: str, model: str) -> float | None:
-    """Seconds from sending a priority-0 chat request to its first content delta; None if it failed."""
-    body = {"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "stream": True,
-            "temperature": 0, "priority": 0}
-    start = time.monotonic()
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            return None
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            if any(c["delta"].get("content") for c in json.loads(line[len("data: "):]).get("choices", [])):
-                return time.monotonic() - start
-    return None
+LOCUSTFILE = ROOT / "loadtests" / "priority_locustfile.py"
+POLICIES = ("priority", "fcfs")
+METRICS = (("ttft_p50_s", "TTFT p50 s", ".2f"), ("ttft_p90_s", "TTFT p90 s", ".2f"),
+           ("batch_tokens_per_s", "batch tok/s", ".1f"))
 
 
-async def batch_stream(client: httpx.AsyncClient, url: str, model: str, priority: int, max_tokens: int,
-                       tokens: list[int]) -> None:
-    """One batch client: a long completion after another, until cancelled."""
-    body = {"model": model, "prompt": BATCH_PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "priority": priority}
-    while True:
-        r = await client.post(f"{url}/v1/completions", json=body)
-        if r.status_code != 200:
-            raise RuntimeError(f"batch request failed: {r.status_code} {r.text[:200]}")
-        tokens.append(r.json()["usage"]["completion_tokens"])
+def read_run(out: Path, duration_s: float) -> dict:
+    """The measured window's figures from locust's stats CSV (times in ms, rounded by locust)."""
+    rows = {(r["Type"], r["Name"]): r for r in _rows(out / "locust_stats.csv")}
+    ttft = rows.get(("TTFT", "interactive"))
+    chunks = [r for r in (rows.get(("TTFT", "batch")), rows.get(("ITL", "batch"))) if r]  # length: tokens brought
+
+    def seconds(p: str) -> float | None:
+        return float(ttft[p]) / 1000 if ttft and ttft[p] not in ("N/A", "") else None
+    return {"ttft_p50_s": seconds("50%"), "ttft_p90_s": seconds("90%"),
+            "probes": int(ttft["Request Count"]) if ttft else 0,
+            "batch_tokens_per_s": sum(float(r["Average Content Size"]) * int(r["Request Count"]) for r in chunks)
+                                  / duration_s,
+            "failures": sum(int(r["Failure Count"]) for (kind, _), r in rows.items() if kind == "POST")}
 
 
-async def run(url: str, model: str, batch: int, batch_priority: int, max_tokens: int, interval: float,
-              probes: int, warmup_s: float) -> dict:
-    limits = httpx.Limits(max_connections=batch + probes + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        tokens: list[int] = []
-        workers = [asyncio.create_task(batch_stream(client, url, model, batch_priority, max_tokens, tokens))
-                   for _ in range(batch)]
-        await asyncio.sleep(warmup_s)  # the queue fills before the first probe
-        start = time.monotonic()
-        probes_done = []
-        for _ in range(probes):
-            probes_done.append(asyncio.create_task(first_token_s(client, url, model)))
-            await asyncio.sleep(interval)
-        ttfts = await asyncio.gather(*probes_done)
-        elapsed = time.monotonic() - start
-        for w in workers:
-            w.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-    ok = sorted(t for t in ttfts if t is not None)
-    return {"batch": batch, "batch_priority": batch_priority, "probes": probes, "failed_probes": probes - len(ok),
-            "interactive_ttft_p50_s": statistics.median(ok) if ok else None,
-            "interactive_ttft_p90_s": ok[min(len(ok) - 1, int(0.9 * len(ok)))] if ok else None,
-            "batch_tokens_per_s": round(sum(tokens) / elapsed, 1)}
+def run_policy(policy: str, args, out: Path) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    batch_priority = args.batch_priority if policy == "priority" else 0  # NOTE: fcfs answers any other with a 400
+    serve = ["--max-num-seqs", str(args.max_num_seqs), "--scheduling-policy", policy, *args.serve_args.split()]
+    options = ["--batch-users", str(args.batch_users), "--interactive-users", str(args.interactive_users),
+               "--batch-priority", str(batch_priority), "--batch-tokens", str(args.batch_tokens),
+               "--interval", str(args.interval), "--warmup", str(args.warmup)]
+    users = args.batch_users + args.interactive_users
+    with running(attnserve_cmd({"default": args.model}, port, serve), url, out / "server.log"):
+        code = run_locust(url, out, users, users, f"{args.warmup + args.duration}s", ["BatchUser", "InteractiveUser"],
+                          ["default"], DEFAULT_WORKLOAD, locustfile=LOCUSTFILE, options=options, stop_timeout=0)
+    return {"policy": policy, "batch_priority": batch_priority, **read_run(out, args.duration),
+            "locust_exit_code": code}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _median(values: tuple[float | None, ...]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _cells(values: list[float | None]) -> str:
+    formats = [f for _, _, fmt in METRICS for f in (fmt, fmt, ".2f")]
+    return " | ".join("n/a" if v is None else format(v, f) for v, f in zip(values, formats))
+
+
+def table(pairs: list[dict[str, dict]]) -> str:
+    """Markdown: per pair and median over pairs, each metric for priority, fcfs and priority / fcfs."""
+    head = ["pair", *(f"{label} {col}" for _, label, _ in METRICS for col in ("priority", "fcfs", "ratio")),
+            "probes priority / fcfs", "failures"]
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    values = [[v for key, _, _ in METRICS for v in (pair["priority"][key], pair["fcfs"][key],
+                                                    _ratio(pair["priority"][key], pair["fcfs"][key]))]
+              for pair in pairs]  # [pair][metric x (priority, fcfs, ratio)]
+    for n, (pair, row) in enumerate(zip(pairs, values), 1):
+        p, f = pair["priority"], pair["fcfs"]
+        lines.append(f"| {n} | {_cells(row)} | {p['probes']} / {f['probes']} | {p['failures'] + f['failures']} |")
+    lines.append(f"| median | {_cells([_median(column) for column in zip(*values)])} | | |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", required=True)
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--batch", type=int, default=32, help="concurrent batch clients (more than --max-num-seqs)")
-    ap.add_argument("--batch-priority", type=int, default=10, help="0 against a fcfs server")
-    ap.add_argument("--max-tokens", type=int, default=128, help="per batch request")
-    ap.add_argument("--interval", type=float, default=2.0, help="seconds between interactive requests")
-    ap.add_argument("--probes", type=int, default=20, help="interactive requests")
-    ap.add_argument("--warmup", type=float, default=10.0, help="seconds of batch traffic before the first probe")
+    ap.add_argument("--model", default="default", help="served as `default`")
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="small, so that the batch users saturate it")
+    ap.add_argument("--batch-users", type=int, default=24, help="more than --max-num-seqs")
+    ap.add_argument("--batch-priority", type=int, default=10, help="under priority (fcfs runs send 0)")
+    ap.add_argument("--batch-tokens", type=int, default=128)
+    ap.add_argument("--interactive-users", type=int, default=4)
+    ap.add_argument("--interval", type=float, default=8.0, help="seconds between one interactive user's requests")
+    ap.add_argument("--warmup", type=int, default=20, help="seconds of load before the measured window")
+    ap.add_argument("--duration", type=int, default=60, help="seconds measured")
+    ap.add_argument("--repeats", type=int, default=3, help="pairs of runs (one per policy)")
+    ap.add_argument("--serve-args", default="", help="more `attnserve serve` args for both servers")
+    ap.add_argument("--out", help="output folder (default loadtests/out/priority-<time>)")
     args = ap.parse_args(argv)
-    report = asyncio.run(run(args.url, args.model, args.batch, args.batch_priority, args.max_tokens, args.interval,
-                             args.probes, args.warmup))
-    print(json.dumps(report, indent=2))
-    return 0 if report["failed_probes"] == 0 else 1
+    out = Path(args.out or ROOT / "loadtests" / "out" / time.strftime("priority-%Y%m%d-%H%M%S"))
+    pairs: list[dict[str, dict]] = []
+    for i in range(args.repeats):
+        pair = {}
+        for policy in POLICIES if i % 2 == 0 else POLICIES[::-1]:
+            pair[policy] = run_policy(policy, args, out / f"pair{i + 1}-{policy}")
+            print(json.dumps({"pair": i + 1, **pair[policy]}), flush=True)
+        pairs.append(pair)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "pairs": pairs}, indent=2))
+    print(f"\n{args.batch_users} batch users ({args.batch_tokens} tokens, ignore_eos, priority {args.batch_priority} "
+          f"under priority, 0 under fcfs), {args.interactive_users} interactive users (priority 0, every "
+          f"{args.interval:g} s each), --max-num-seqs {args.max_num_seqs}, {args.warmup} s warm-up, "
+          f"{args.duration} s measured, {args.repeats} pairs; ratio = priority / fcfs (median row: the median of the "
+          f"pairs' ratios)\n")
+    print(table(pairs))
+    runs = [r for pair in pairs for r in pair.values()]
+    ok = all(r["probes"] and not r["failures"] and r["locust_exit_code"] == 0 for r in runs)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

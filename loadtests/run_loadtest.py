@@ -36,13 +36,16 @@ DEFAULT_SERVE = {"default": "default", "mha": "smollm2-135m-instruct-mha", "mqa"
 
 
 def run_locust(url: str, out: Path, users: int, spawn_rate: float, duration: str, classes: list[str],
-               models: list[str], workload: Path, until: Callable[[], bool] | None = None) -> int:
+               models: list[str], workload: Path, until: Callable[[], bool] | None = None,
+               locustfile: Path = ROOT / "loadtests" / "locustfile.py", options: list[str] | None = None,
+               stop_timeout: int = 60) -> int:
     """locust headless for `duration`, or until `until()` holds (then SIGTERM: locust stops its users,
-    letting each finish its request within --stop-timeout, and writes its CSVs as at the end)."""
+    letting each finish its request within `stop_timeout` s, and writes its CSVs as at the end).
+    `options`: the locustfile's own command-line options."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [str(BIN / "locust"), "-f", str(ROOT / "loadtests" / "locustfile.py"), "--headless", "--users", str(users),
+    cmd = [str(BIN / "locust"), "-f", str(locustfile), "--headless", "--users", str(users),
            "--spawn-rate", str(spawn_rate), "--run-time", duration, "--host", url, "--csv", str(out / "locust"),
-           "--csv-full-history", "--stop-timeout", "60", "--only-summary", *classes]
+           "--csv-full-history", "--stop-timeout", str(stop_timeout), "--only-summary", *(options or []), *classes]
     env = {**os.environ, "ATTNSERVE_WORKLOAD": str(workload), "ATTNSERVE_MODELS": ",".join(models)}
     with (out / "locust.log").open("w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

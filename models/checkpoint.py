@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from models.gguf_file import read_gguf
 from models.hf_checkpoint import HFCheckpoint, LazyTensors
+from models.hf_config import LLAMA_FAMILY
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -52,6 +53,19 @@ def safetensors_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
+def _causal_lm_names(config: dict[str, Any], tensors: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """A bare decoder's tensors (HF `AutoModel.save_pretrained`: `layers.0...`, `wte.weight`) under the names a
+    `...ForCausalLM` gives them (`model.layers.0...`, `transformer.wte.weight`), which models/weights.py maps;
+    None where they have those names already."""
+    prefix = "model." if config.get("model_type") in LLAMA_FAMILY else "transformer."
+    if any(name.startswith(prefix) for name in tensors):
+        return None
+    renamed = {name if name.startswith("lm_head.") else prefix + name: name for name in tensors}
+    if isinstance(tensors, LazyTensors):
+        return LazyTensors({new: tensors.readers[old] for new, old in renamed.items()})
+    return {new: tensors[old] for new, old in renamed.items()}
+
+
 def read_checkpoint(path: str | Path, keep_quantized: bool = False, lazy: bool = False) -> HFCheckpoint:
     """Load a checkpoint directory or a single .gguf file (its quantized matrices kept as codes
     with `keep_quantized`, else dequantised to fp32). `lazy`: tensors are read when looked up."""
@@ -77,11 +91,14 @@ def read_checkpoint(path: str | Path, keep_quantized: bool = False, lazy: bool =
     tensors: Mapping[str, torch.Tensor] = _lazy_safetensors(files) if lazy else {}
     for f in files if not lazy else ():
         tensors.update(load_file(f))
+    config = _read_json(config_path)
+    renamed = _causal_lm_names(config, tensors)
     return HFCheckpoint(
-        config=_read_json(config_path),
-        tensors=tensors,
+        config=config,
+        tensors=tensors if renamed is None else renamed,
         generation_config=_read_json(path / "generation_config.json"),
         source=path,
+        base_model=renamed is not None,
     )
 
 

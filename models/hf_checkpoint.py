@@ -14,6 +14,9 @@ class HFCheckpoint:
     tensors: dict[str, Any]  # torch.Tensor, or models.quant_formats.QuantizedTensor kept from a GGUF
     generation_config: dict[str, Any] = field(default_factory=dict)
     source: Path | None = None
+    # saved as a bare decoder (HF's `AutoModel`: architectures `Qwen2Model`, names without `model.`), the
+    # common form of an embedding model's checkpoint: it may have no LM head (then it cannot generate)
+    base_model: bool = False
 
 
 class LazyTensors(Mapping):

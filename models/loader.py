@@ -45,7 +45,8 @@ def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32
 
     full = config_from_hf(ckpt.config, ckpt.generation_config)
     cfg = full if shard is None else shard_config(full, shard)
-    tensors = hf_to_internal(full, ckpt.tensors, shard)
+    # NOTE: a rank of a sharded model generates (embeddings are not served in parallel): it needs an LM head
+    tensors = hf_to_internal(full, ckpt.tensors, shard, lm_head_optional=ckpt.base_model and shard is None)
     if cfg.tie_word_embeddings and "embed.weight" in tensors and "lm_head.weight" in tensors:
         tensors["lm_head.weight"] = tensors["embed.weight"]  # NOTE: one rank's rows of both: held once
     if quantization != "none":
@@ -65,6 +66,8 @@ def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32
             # module list counts from 0
             state = {_local_layer(k, layers.start): v for k, v in state.items()}
             quantized = {_local_layer(k, layers.start): v for k, v in quantized.items()}
+    if model.lm_head is not None and "lm_head.weight" not in state and "lm_head.weight" not in quantized:
+        model.lm_head = None  # a base model's checkpoint without one: hidden states (embeddings) only
     for name, weight in quantized.items():
         activations = "int8" if weight.bits in int8_bits else "exact"
         _install_quantized(model, name.removesuffix(".weight"), weight, state, dtype, device, activations)

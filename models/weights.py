@@ -128,11 +128,12 @@ class _Kept(dict):
             super().__setitem__(name, t)
 
 
-def hf_to_internal(cfg: ModelConfig, tensors, shard=None) -> dict:
+def hf_to_internal(cfg: ModelConfig, tensors, shard=None, lm_head_optional: bool = False) -> dict:
     """Rename/fuse HF tensors into DecoderLM's state dict; every tensor must be used exactly once.
 
     With a `shard` (models/parallel.py): that rank's parts only, the tensors of other pipeline
-    stages never read."""
+    stages never read. `lm_head_optional`: a base model's checkpoint, which may have no LM head (and
+    then the state dict has none)."""
     hf = _Remaining(tensors)
     out = _Kept(cfg, shard)
     layers = range(cfg.num_layers) if shard is None else shard.layers(cfg.num_layers)
@@ -156,9 +157,10 @@ def hf_to_internal(cfg: ModelConfig, tensors, shard=None) -> dict:
             _gpt2_layer(hf, cfg, i, out)
     lm_head = hf.pop("lm_head.weight", None) if last else None
     if not cfg.tie_word_embeddings and last:
-        if lm_head is None:
+        if lm_head is None and not lm_head_optional:
             raise KeyError("checkpoint is missing tensor 'lm_head.weight' and does not tie embeddings")
-        out["lm_head.weight"] = lm_head
+        if lm_head is not None:
+            out["lm_head.weight"] = lm_head
     if shard is not None:  # what other stages hold is theirs: unread here, not unused
         prefix = ("model.layers." if llama else "transformer.h.")
         hf.names = {k for k in hf.names if not (k.startswith(prefix) and int(k[len(prefix):].split(".")[0]) not in layers)

@@ -11,12 +11,10 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
-import numpy as np
-
 from server.api_request import ApiError, ApiLimits, chat_request, sampling_params, structured, template_input
 from server.api_response import ChoiceBuilder, sse, usage, usage_so_far, vllm_prompt_logprobs
 from server.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
-from server.engine.pooling import NORM_EPS, serves
+from server.engine.pooling import serves, truncate
 from server.kv_forms import kv_curve
 from server.model_client import ModelClient
 from server.protocol import (
@@ -213,9 +211,8 @@ class OpenAIApi:
             raise _as_api_error(e) from None
         finally:
             self._release_stream()
-        normalize = info.pooling is not None and info.pooling.normalize
         data = [{"object": "embedding", "index": i,
-                 "embedding": embedding_value(v, body.dimensions, normalize, body.encoding_format)}
+                 "embedding": embedding_value(v, body.dimensions, body.encoding_format)}
                 for i, v in enumerate(result.vectors)]
         tokens = result.num_prompt_tokens
         return {"object": "list", "data": data, "model": body.model,
@@ -368,14 +365,10 @@ class SSEStream:
         release()
 
 
-def embedding_value(vector: Any, dimensions: int | None, normalize: bool, encoding: str) -> list[float] | str:
-    """One embedding as OpenAI sends it: its first `dimensions` values (Matryoshka: renormalised where the
-    model normalises), as floats or as base64 of little-endian float32."""
-    v = np.asarray(vector, dtype=np.float32)
-    if dimensions is not None and dimensions < len(v):
-        v = v[:dimensions]
-        if normalize:
-            v = v / max(float(np.linalg.norm(v)), NORM_EPS)
+def embedding_value(vector: Any, dimensions: int | None, encoding: str) -> list[float] | str:
+    """One embedding as OpenAI sends it: its first `dimensions` values (Matryoshka: renormalised, pooling.truncate),
+    as floats or as base64 of little-endian float32."""
+    v = truncate(vector, dimensions)
     return base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") if encoding == "base64" else v.tolist()
 
 

@@ -1,8 +1,10 @@
 """POST /v1/embeddings for decoder models: each pooling (last, mean, cls; normalised or not) against HF's
 base model (`AutoModel`, final norm included) in fp32, detected from a sentence-transformers config; the
-official openai SDK (float, base64, dimensions); embeddings in the same engine steps as generation, with no
-KV block held and no prefix-cache block left after them; bad input as 4xx in OpenAI's shape; and one app
-through real Ray Serve over HTTP."""
+official openai SDK (float, base64, dimensions: truncated and renormalised whether or not the model
+normalises); embeddings in the same engine steps as generation, with no KV block held and no prefix-cache block
+left after them; bad input as 4xx in OpenAI's shape; base models' checkpoints (HF `AutoModel`: bare tensor
+names, no LM head) served as embedding models and refused for generation; and one app through real Ray Serve
+over HTTP."""
 import asyncio
 import base64
 import json
@@ -13,14 +15,16 @@ import numpy as np
 import openai
 import pytest
 import torch
+from safetensors import safe_open
 
+from models import load_model
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.pooling import Pooling, read_sentence_transformers, resolve_pooling
 from server.http_app import create_app
 from server.model_client import LocalModelClient
 from server.openai_api import ApiLimits, OpenAIApi
 from server.worker import ModelWorker
-from tests.tiny import mixed_prompts
+from tests.tiny import hf_config, mixed_prompts, train_tokenizer
 
 TOL = 1e-5
 POOLINGS = [("last", True), ("last", False), ("mean", True), ("mean", False), ("cls", True), ("cls", False)]
@@ -275,6 +279,35 @@ def test_models_say_what_each_serves(api):
                                                                                       "normalize": False}
 
 
+def test_dimensions_renormalise_a_model_that_does_not_normalise(api, hf):
+    """`dimensions` cuts and renormalises even where the model's embeddings are not normalised (vLLM would not):
+    the "both" model pools mean without Normalize; the full width is the vector as it is."""
+    tok = hf[1]
+    ids = [tok(t)["input_ids"] for t in TEXTS]
+    raw = [hf_embedding(hf, i, "mean", False) for i in ids]
+    assert all(abs(np.linalg.norm(v) - 1) > 0.1 for v in raw)  # unnormalised, so renormalising shows
+
+    async def go(sdk, http):
+        cut = [await sdk.embeddings.create(model="both", input=ids, dimensions=k, encoding_format="float")
+               for k in (1, 16, 63)]
+        full = await sdk.embeddings.create(model="both", input=ids, dimensions=64, encoding_format="float")
+        b64 = (await http.post("/v1/embeddings", json={"model": "both", "input": ids, "dimensions": 16,
+                                                        "encoding_format": "base64"})).json()
+        return cut, full, b64
+
+    cut, full, b64 = run(api, go)
+    for k, res in zip((1, 16, 63), cut):
+        for d, want in zip(res.data, raw):
+            assert len(d.embedding) == k
+            np.testing.assert_allclose(d.embedding, want[:k] / np.linalg.norm(want[:k]), rtol=0, atol=TOL)
+    for d, want in zip(full.data, raw):
+        np.testing.assert_allclose(d.embedding, want, rtol=0, atol=TOL)
+    for d, want in zip(b64["data"], raw):  # base64 too
+        np.testing.assert_allclose(np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4"),
+                                   want[:16] / np.linalg.norm(want[:16]), rtol=0, atol=TOL)
+    assert used_blocks(api) == 0
+
+
 @pytest.mark.parametrize("body,param,contains", [
     ({"model": "tiny", "input": "hello"}, "model", "serves text generation"),
     ({"model": "emb", "input": "hello", "dimensions": 65}, "dimensions", "embedding size of 64"),
@@ -315,6 +348,106 @@ def test_generation_on_an_embedding_model_is_400(api):
         assert "serves embeddings" in resp.json()["error"]["message"]
     assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 256
     assert used_blocks(api) == 0
+
+
+# ---- base models' checkpoints: HF `AutoModel` saves a bare decoder, as embedding models often ship ------------
+BASE_ARCHS = {"llama": "LlamaModel", "qwen2": "Qwen2Model", "gpt2": "GPT2Model"}
+PREFIXES = ("model.", "transformer.", "lm_head.")  # a ...ForCausalLM's names, which these have none of
+
+
+@pytest.fixture(scope="module")
+def base_dirs(tmp_path_factory):
+    """Each arch's tiny random decoder as `AutoModel.from_config(...).save_pretrained` writes it: architectures
+    `LlamaModel` etc., tensor names without `model.` / `transformer.`, embeddings untied and no LM head."""
+    from transformers import AutoModel
+
+    root, tok = tmp_path_factory.mktemp("base"), train_tokenizer()
+    eos, bos = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")
+    out = {}
+    for arch in BASE_ARCHS:
+        cfg = hf_config(arch, len(tok), eos, bos)
+        cfg.tie_word_embeddings = False
+        torch.manual_seed(7)
+        AutoModel.from_config(cfg, dtype=torch.float32).save_pretrained(root / arch, safe_serialization=True)
+        tok.save_pretrained(root / arch)
+        out[arch] = root / arch
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_api(base_dirs):
+    workers = {arch: ModelWorker(arch, engine_config(d)) for arch, d in base_dirs.items()}  # task auto
+    yield OpenAIApi({name: LocalModelClient(w) for name, w in workers.items()}, ApiLimits(max_embedding_inputs=64))
+    for w in workers.values():
+        w.shutdown()
+
+
+def test_base_model_checkpoints_load_without_lm_head(base_dirs):
+    for arch, d in base_dirs.items():
+        assert json.loads((d / "config.json").read_text())["architectures"] == [BASE_ARCHS[arch]]
+        with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+            names = list(f.keys())
+        assert names and not any(n.startswith(PREFIXES) for n in names), names
+        assert load_model(d).lm_head is None
+
+
+@pytest.mark.parametrize("arch", list(BASE_ARCHS))
+def test_base_model_checkpoint_serves_embeddings_as_hf_pools_them(base_api, base_dirs, arch):
+    """Detected as an embedding model (task auto: last, normalised); each input's vector is HF `AutoModel`'s
+    last hidden state of its last token, normalised, within 1e-5 in fp32."""
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(base_dirs[arch], dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(base_dirs[arch])
+    token_ids = [*mixed_prompts(tok, 3, seed=30, min_len=2, max_len=70), tok("hello")["input_ids"][:1]]
+
+    async def go(sdk, http):
+        texts, tokens = await asyncio.gather(sdk.embeddings.create(model=arch, input=TEXTS, encoding_format="float"),
+                                             sdk.embeddings.create(model=arch, input=token_ids, encoding_format="float"))
+        return texts, tokens, (await http.get("/v1/models")).json()
+
+    texts, tokens, models = run(base_api, go)
+    listed = {m["id"]: m for m in models["data"]}[arch]
+    assert listed["task"] == "embed" and listed["pooling"] == {"method": "last", "normalize": True}
+    inputs = [tok(t)["input_ids"] for t in TEXTS] + token_ids
+    for ids, d in zip(inputs, [*texts.data, *tokens.data], strict=True):
+        with torch.no_grad():
+            h = model(torch.tensor([ids])).last_hidden_state[0, -1]  # (C,)
+        np.testing.assert_allclose(d.embedding, torch.nn.functional.normalize(h, dim=-1).numpy(), rtol=0, atol=TOL)
+    assert texts.usage.prompt_tokens + tokens.usage.prompt_tokens == sum(map(len, inputs))
+    assert used_blocks(base_api) == 0
+
+
+def test_a_quantized_base_model_embeds_on_the_native_decoder(base_dirs):
+    """No LM head is no reason to leave the C++ decoder: int8 weights run there, within int8's error of HF."""
+    from transformers import AutoModel, AutoTokenizer
+
+    engine = LLMEngine(engine_config(base_dirs["llama"], quantization="int8", enforce_eager=False))
+    assert engine.runner.step == "native"
+    ids = AutoTokenizer.from_pretrained(base_dirs["llama"])(TEXTS[0])["input_ids"]
+    with torch.no_grad():
+        h = AutoModel.from_pretrained(base_dirs["llama"], dtype=torch.float32)(torch.tensor([ids])).last_hidden_state
+    got = torch.as_tensor(engine.embed([ids])[0])
+    assert torch.nn.functional.cosine_similarity(got, h[0, -1], dim=0) > 0.99
+
+
+@pytest.mark.parametrize("task", ["generate", "generate,embed"])
+def test_generation_on_a_base_model_without_lm_head_is_refused_at_start(base_dirs, task):
+    with pytest.raises(ValueError, match="no LM head .* cannot generate"):
+        LLMEngine(engine_config(base_dirs["qwen2"], task=task))
+
+
+def test_a_causal_lm_checkpoint_without_its_lm_head_is_still_refused(tiny_checkpoints, tmp_path):
+    """Only a base model's checkpoint may lack the LM head: a `...ForCausalLM` one without it is broken."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "no-head"
+    shutil.copytree(tiny_checkpoints["qwen2"], d)  # untied
+    tensors = load_file(d / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(KeyError, match="lm_head.weight"):
+        load_model(d)
 
 
 # ---- real Ray Serve over HTTP ---------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from server.engine import EngineConfig, LLMEngine, SamplingParams
-from server.engine.sampler import PROMPT_ROWS_AT_ONCE, prompt_logprobs
+from server.engine.sampler import PROMPT_HEAD_ROWS, PROMPT_ROWS_AT_ONCE, prompt_logprobs, score_prompt_rows
 from server.http_app import create_app
 from server.model_client import LocalModelClient
 from server.openai_api import ApiLimits, OpenAIApi
@@ -72,19 +72,59 @@ def assert_matches_hf(values, ids: list[int], rows: torch.Tensor, k: int) -> Non
             assert abs(value - row[tid].item()) < TOL and abs(value - b) < TOL
 
 
-def test_rows_give_log_softmax_values_ranks_and_the_best():
+@pytest.mark.kernel  # make test-isa runs it again under the AVX2 cap and on the portable build
+@pytest.mark.parametrize("fused", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_give_log_softmax_values_ranks_and_the_best(fused, dtype):
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(PROMPT_ROWS_AT_ONCE + 44, 50, generator=g)  # two slices of rows
-    targets = torch.randint(0, 50, (len(logits),), generator=g).tolist()
-    ks = [i % 4 for i in range(len(logits))]
-    ref = logits.log_softmax(-1)
-    values = prompt_logprobs(logits, targets, ks)
+    # NOTE: two of torch's slices of rows; 1,003 words: the kernel's vectors and its scalar tail
+    logits = (3 * torch.randn(PROMPT_ROWS_AT_ONCE + 44, 1003, generator=g)).to(dtype)
+    logits[5, 40:60] = logits[5].max() + 1  # 20 tied best: the kernel's k best are the lowest ids among them
+    targets = torch.randint(0, 1003, (len(logits),), generator=g).tolist()
+    targets[5] = 45
+    ks = [i % 6 for i in range(len(logits))]
+    ks[5] = 5
+    ref = logits.float().log_softmax(-1)
+    values = prompt_logprobs(logits, targets, ks, fused=fused)
     assert len(values) == len(logits)
     for row, token, k, v in zip(ref, targets, ks, values):
         assert v.token_id == token and abs(v.logprob - row[token].item()) < 1e-5
-        assert v.rank == int((row > row[token]).sum()) + 1
-        assert [t for t, _ in v.top] == row.topk(k).indices.tolist()
-        assert all(abs(value - row[t].item()) < 1e-5 for t, value in v.top)
+        assert v.rank == int((row >= row[token]).sum())
+        best = row.topk(k).values.tolist() if k else []
+        assert len(v.top) == k and all(abs(value - b) < 1e-5 for (_, value), b in zip(v.top, best))
+        assert all(abs(value - row[t].item()) < 1e-5 for t, value in v.top) and len({t for t, _ in v.top}) == k
+    assert values[5].rank == 20 and {t for t, _ in values[5].top} <= set(range(40, 60))
+    if fused:  # NOTE: torch's topk orders ties as it likes
+        assert [t for t, _ in values[5].top] == [40, 41, 42, 43, 44]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fused, tol", [(True, 5e-6), (False, 1e-4)], ids=["kernel", "torch"])
+def test_rows_of_a_served_vocabulary_against_fp64(fused, tol):
+    """The default model's vocabulary width, bf16 rows as its LM head gives them. fp32 sums of 49,152
+    terms drift: torch's log_softmax by up to 2e-5 here; the kernel sums in a double every 64 vectors."""
+    g = torch.Generator().manual_seed(1)
+    logits = (4 * torch.randn(64, 49152, generator=g)).bfloat16()
+    targets = torch.randint(0, 49152, (64,), generator=g).tolist()
+    ref = logits.double().log_softmax(-1)
+    for row, token, v in zip(ref, targets, prompt_logprobs(logits, targets, [20] * 64, fused=fused)):
+        assert abs(v.logprob - row[token].item()) < tol and v.rank == int((row >= row[token]).sum())
+        assert all(abs(value - b) < tol for (_, value), b in zip(v.top, row.topk(20).values.tolist()))
+
+
+def test_a_long_prompt_goes_through_the_lm_head_in_slices_scored_as_one():
+    g = torch.Generator().manual_seed(2)
+    head, hidden = torch.randn(500, 32, generator=g), torch.randn(2 * PROMPT_HEAD_ROWS + 9, 32, generator=g)
+    targets = torch.randint(0, 500, (len(hidden),), generator=g).tolist()
+    ks = [i % 3 for i in range(len(hidden))]
+    slices = []
+    sliced = score_prompt_rows(lambda h: slices.append(len(h)) or h @ head.T, hidden, targets, ks)
+    assert slices == [PROMPT_HEAD_ROWS, PROMPT_HEAD_ROWS, 9]
+    whole = prompt_logprobs(hidden @ head.T, targets, ks)
+    assert len(sliced) == len(whole) == len(hidden)
+    for a, b in zip(sliced, whole):
+        assert (a.token_id, a.rank, [t for t, _ in a.top]) == (b.token_id, b.rank, [t for t, _ in b.top])
+        assert abs(a.logprob - b.logprob) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["tiny-mha", "tiny-gqa", "tiny-mqa"])

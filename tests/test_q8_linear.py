@@ -64,6 +64,18 @@ def test_equals_rounded_activations_times_exact_weights(fmt, m):
     assert (y.double() - expected).abs().max() <= 1e-5 * F.linear(xq.abs(), dense.abs()).max()
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_bf16_rows_are_read_as_their_fp32_widening(fmt):
+    """bf16 x is quantized as it is, not through an fp32 copy: the same bits as its exact fp32 widening."""
+    bits, group, scales, offsets = FORMATS[fmt]
+    n, k = 100, 1152
+    codes, packed_scales, packed_offsets = packed(random_quantized(n, k, bits, group, scales, offsets, seed=3))
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    y = torch.ops.attnserve.q8_linear(x, codes, packed_scales, packed_offsets, None, bits, group, n)
+    wide = torch.ops.attnserve.q8_linear(x.float(), codes, packed_scales, packed_offsets, None, bits, group, n)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, wide.bfloat16())
+
+
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q6_K", "int4_g128"])
 def test_error_against_exact_activations_is_within_the_rounding_bound(fmt):
     """|y - x W^T| <= sum_k scale(k) / 2 * |w_k| (each x rounded by at most half its block's step),

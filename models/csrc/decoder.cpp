@@ -18,8 +18,12 @@
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
+#include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
+
+#include "simd.h"
 
 namespace {
 
@@ -138,15 +142,43 @@ void rope(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin, T* out, 
 }
 
 // out = silu(gate) * up, gate and up the two halves of each row of gate_up
+// W values of T as fp32, and back (rounded to nearest even in bf16, as a cast rounds)
+inline vf load_vec(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf load_vec(const c10::BFloat16* p) { return load_bf16(p); }
+inline void store_vec(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline void store_vec(c10::BFloat16* p, vf v) { store_bf16(p, v); }
+template <typename T>
+inline vf rounded_vec(vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    alignas(64) c10::BFloat16 b[W];
+    store_vec(b, v);
+    return load_vec(b);
+  }
+}
+
+// out = silu(gate) * up, silu rounded to T first (models/layers.py SwiGLU), W values at a time.
+// NOTE: e^-g from simd.h's exp_vf, not libm's: the scalar loop was 9% of a 2,048-token prefill step
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t width) {
   for_rows(rows, width, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* g = gate_up + r * 2 * width;
       const T* u = g + width;
-      for (int64_t i = 0; i < width; ++i) {
+      T* o = out + r * width;
+      int64_t i = 0;
+      for (; i + W <= width; i += W) {
+        const vf gi = load_vec(g + i);
+        store_vec(o + i, rounded_vec<T>(gi / (splat(1.f) + exp_vf(-gi))) * load_vec(u + i));
+      }
+      for (; i < width; ++i) {
         const float gi = static_cast<float>(g[i]);
-        out[r * width + i] = static_cast<T>(rounded<T>(gi / (1.f + std::exp(-gi))) * static_cast<float>(u[i]));
+        o[i] = static_cast<T>(rounded<T>(gi / (1.f + std::exp(-gi))) * static_cast<float>(u[i]));
       }
     }
   });

@@ -21,8 +21,11 @@
 // bytes: 4-bit codes are unsigned; signed 8-bit codes go in as |w| against x with w's sign.
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+
 #include <array>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "quant_panels.h"
@@ -30,6 +33,8 @@
 namespace {
 
 constexpr int LANE_BYTES = W * 4;  // one panel's codes of one step
+constexpr int64_t ROW_TASKS = 64;  // (quad, row chunk) tasks a call aims for when its output has few quads
+constexpr int64_t PREFILL_ROWS = 64;  // rows from which a call's rows are chunked (decode batches never are)
 constexpr int64_t STEP_STRIDE = QUAD * LANE_BYTES;  // bytes from one step of a panel's codes to its next
 
 // Register tiles: rows of x that share one load of codes (R x NP integer and fp32 accumulators). Measured
@@ -168,8 +173,8 @@ struct Acts {
 };
 
 // y[r, panels p0 .. p0 + NP) for R rows of x.
-template <typename F, int R, int NP>
-void tile(const Acts& a, const Packed& w, int64_t p0, float* y, int64_t n, const float* bias) {
+template <typename F, typename Y, int R, int NP>
+void tile(const Acts& a, const Packed& w, int64_t p0, Y* y, int64_t n, const float* bias) {
   constexpr int64_t KS = F::BITS == 8 ? 4 : 8;  // inputs per step
   const int64_t steps_per_block = a.block / KS, blocks_per_group = w.group / a.block;
   vf acc[R][NP];
@@ -227,68 +232,100 @@ void tile(const Acts& a, const Packed& w, int64_t p0, float* y, int64_t n, const
   store_tile<R, NP>(acc, y, n, p0 * W, bias);
 }
 
-using TileFn = void (*)(const Acts&, const Packed&, int64_t, float*, int64_t, const float*);
+template <typename Y>
+using TileFn = void (*)(const Acts&, const Packed&, int64_t, Y*, int64_t, const float*);
 
-template <typename F, int... R>
-constexpr std::array<TileFn, sizeof...(R)> tiles(std::integer_sequence<int, R...>) {
-  return {&tile<F, R + 1, 2>...};
+template <typename F, typename Y, int... R>
+constexpr std::array<TileFn<Y>, sizeof...(R)> tiles(std::integer_sequence<int, R...>) {
+  return {&tile<F, Y, R + 1, 2>...};
 }
 
 // Quads [u0, u1) of the output: one row takes a quad's four panels at once (four chains, one stream
 // of codes); more rows go two panels at a time, in row blocks that share each load.
-template <typename F>
-void run(const Packed& w, const Acts& a, int64_t m, float* y, int64_t n, const float* bias, int64_t u0, int64_t u1) {
+template <typename F, typename Y>
+void run(const Packed& w, const Acts& a, int64_t m, void* out, int64_t n, const float* bias, int64_t u0, int64_t u1) {
+  Y* y = static_cast<Y*>(out);
   if (m == 1) {
-    for (int64_t u = u0; u < u1; ++u) tile<F, 1, 4>(a, w, u * QUAD, y, n, bias);
+    for (int64_t u = u0; u < u1; ++u) tile<F, Y, 1, 4>(a, w, u * QUAD, y, n, bias);
     return;
   }
-  static constexpr auto row_tiles = tiles<F>(std::make_integer_sequence<int, Q8_ROWS>{});
+  static constexpr auto row_tiles = tiles<F, Y>(std::make_integer_sequence<int, Q8_ROWS>{});
   // NOTE: a quad's padding may hold whole pairs of panels past n: never computed
   const int64_t p1 = std::min(QUAD * u1, (n + 2 * W - 1) / (2 * W) * 2);
   for (int64_t p = QUAD * u0; p < p1; p += 2)
     row_blocks(m, Q8_ROWS, [&](int64_t r, int nr) { row_tiles[nr - 1](a.rows_from(r), w, p, y + r * n, n, bias); });
 }
 
-using RunFn = void (*)(const Packed&, const Acts&, int64_t, float*, int64_t, const float*, int64_t, int64_t);
+using RunFn = void (*)(const Packed&, const Acts&, int64_t, void*, int64_t, const float*, int64_t, int64_t);
 
+template <typename Y>
 RunFn format_runner(int64_t bits, bool half, bool offsets) {
-  const RunFn fns[2][2][2] = {{{&run<Fmt<4, false, false>>, &run<Fmt<4, false, true>>},
-                               {&run<Fmt<4, true, false>>, &run<Fmt<4, true, true>>}},
-                              {{&run<Fmt<8, false, false>>, &run<Fmt<8, false, true>>},
-                               {&run<Fmt<8, true, false>>, &run<Fmt<8, true, true>>}}};
+  const RunFn fns[2][2][2] = {{{&run<Fmt<4, false, false>, Y>, &run<Fmt<4, false, true>, Y>},
+                               {&run<Fmt<4, true, false>, Y>, &run<Fmt<4, true, true>, Y>}},
+                              {{&run<Fmt<8, false, false>, Y>, &run<Fmt<8, false, true>, Y>},
+                               {&run<Fmt<8, true, false>, Y>, &run<Fmt<8, true, true>, Y>}}};
   return fns[bits == 8][half][offsets];
 }
 
 // The activation block for a group size: 32, or the group itself when it is 16 (Q6_K).
 inline int64_t act_block(int64_t group) { return group % 32 == 0 ? 32 : group; }
 
-// x (M, K) fp32 -> int8 codes, block scales and the offsets' factor, row by row.
-void quantize_rows(const float* x, int64_t m, int64_t k_dim, int64_t block, int64_t group, int8_t* q, float* d,
+// x widened to fp32, W values at a time (bf16 is fp32's upper half)
+inline vf load_x(const float* p) { return load_f(p); }
+inline vf load_x(const c10::BFloat16* p) { return load_bf16(p); }
+
+// x (M, K) fp32 or bf16 -> int8 codes, block scales and the offsets' factor, row by row; W values at a time
+// (a block of 16 or 32 is whole vectors at every level). NOTE: the same values as rounding each input with
+// nearbyint: t + 1.5 * 2^23 - 1.5 * 2^23 rounds |t| <= 127 to the nearest integer, ties to even, as the
+// default rounding mode does; and the same sums in the same order.
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k_dim, int64_t block, int64_t group, int8_t* q, float* d,
                    float* xq) {
   const int64_t blocks = k_dim / block, groups = k_dim / group, per_group = group / block;
+  const vf round = splat(12582912.0f), hi = splat(127.f), lo = splat(-127.f);
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t g = 0; g < groups; ++g) {
         float offset_factor = 0.f;
         for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-          const float* xb = x + r * k_dim + b * block;
+          const T* xb = x + r * k_dim + b * block;
           int8_t* qb = q + r * k_dim + b * block;
-          float amax = 0.f;
-          for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+          vf vmax{};
+          for (int64_t i = 0; i < block; i += W) {
+            const vf v = load_x(xb + i);
+            const vf a = v < vf{} ? -v : v;
+            vmax = a > vmax ? a : vmax;
+          }
+          const float amax = hmax(vmax);
           const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-          int32_t sum = 0;
-          for (int64_t i = 0; i < block; ++i) {
-            const int32_t v = int32_t(std::nearbyint(std::min(127.f, std::max(-127.f, xb[i] * inv))));
-            qb[i] = int8_t(v);
-            sum += v;
+          vi sums{};
+          for (int64_t i = 0; i < block; i += W) {
+            vf t = load_x(xb + i) * splat(inv);
+            t = t > hi ? hi : t;
+            t = t < lo ? lo : t;
+            const vi v = __builtin_convertvector((t + round) - round, vi);
+            sums += v;
+            const vsb b = __builtin_convertvector(v, vsb);
+            std::memcpy(qb + i, &b, sizeof b);
           }
           d[r * blocks + b] = scale;
-          offset_factor += scale * float(sum);
+          offset_factor += scale * float(hsum(sums));
         }
         xq[r * groups + g] = offset_factor;
       }
     }
   });
+}
+
+// A thread's activation buffers, kept between calls: a prefill's are megabytes, which fresh each call cost
+// a page fault per 4 KiB and a zeroing (14% of a 2,048-token step here)
+template <typename T>
+T* scratch(std::unique_ptr<T[]>& buf, int64_t& size, int64_t n) {
+  if (n > size) {
+    buf.reset(new T[n]);  // NOTE: not value-initialised: every element is written before it is read
+    size = n;
+  }
+  return buf.get();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& q, const at::Tensor& scale,
@@ -316,20 +353,41 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   TORCH_CHECK(group % 32 == 0 || (bits == 8 && group == 16), "groups must be packed by this library");
   const int64_t k_dim = x.size(-1), block = act_block(group);
   const bool half = scales.scalar_type() == at::kHalf, has_offsets = offsets.numel() > 0;
-  const at::Tensor xc = x.to(at::kFloat).reshape({-1, k_dim}).contiguous();  // (M, K)
-  const LinearOut out = linear_out(x, m, out_features, bias);
+  // NOTE: bf16 is read as it is (widened exactly in quantize_rows); other dtypes go through fp32
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const at::Tensor xc = (bf16 ? x : x.to(at::kFloat)).reshape({-1, k_dim}).contiguous();  // (M, K)
+  // NOTE: bf16 rows give bf16 rows, rounded in the tile store as Tensor.to would round the fp32 ones
+  const LinearOut out = linear_out(x, m, out_features, bias, bf16 ? at::kBFloat16 : at::kFloat);
   if (m > 0) {
-    std::vector<int8_t> qx(m * k_dim);
-    std::vector<float> d(m * (k_dim / block)), xq(m * groups);
-    quantize_rows(xc.data_ptr<float>(), m, k_dim, block, group, qx.data(), d.data(), xq.data());
-    const Acts a{qx.data(), d.data(), xq.data(), k_dim, block, k_dim / block, groups};
+    thread_local std::unique_ptr<int8_t[]> q_buf;
+    thread_local std::unique_ptr<float[]> d_buf, xq_buf;
+    thread_local int64_t q_size = 0, d_size = 0, xq_size = 0;
+    int8_t* qx = scratch(q_buf, q_size, m * k_dim);
+    float* d = scratch(d_buf, d_size, m * (k_dim / block));
+    float* xq = scratch(xq_buf, xq_size, m * groups);
+    if (bf16)
+      quantize_rows(xc.data_ptr<c10::BFloat16>(), m, k_dim, block, group, qx, d, xq);
+    else
+      quantize_rows(xc.data_ptr<float>(), m, k_dim, block, group, qx, d, xq);
+    const Acts a{qx, d, xq, k_dim, block, k_dim / block, groups};
     const Packed w{codes.data_ptr<uint8_t>(), scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr, k_dim,
                    group, groups, codes.size(1)};
-    float* yp = out.y.data_ptr<float>();
-    const auto fn = format_runner(bits, half, has_offsets);
-    // NOTE: whole quads of panels per task: no tile straddles two threads
-    at::parallel_for(0, codes.size(0) / QUAD, 1, [&](int64_t u0, int64_t u1) {
-      fn(w, a, m, yp, out_features, out.bias_ptr(), u0, u1);
+    void* yp = out.y.data_ptr();
+    const auto fn = bf16 ? format_runner<c10::BFloat16>(bits, half, has_offsets)
+                         : format_runner<float>(bits, half, has_offsets);
+    // NOTE: whole quads of panels per task: no tile straddles two threads. A narrow output (a small model's
+    // o_proj and down_proj: 9 quads) left a thread idle for a quad's time at the end of every call, so a
+    // prefill's rows go in chunks too: a row's arithmetic is the same whichever chunk it is in
+    const int64_t quads = codes.size(0) / QUAD, item = out.y.element_size();
+    const int64_t chunks = m >= PREFILL_ROWS ? std::min<int64_t>(m / PREFILL_ROWS, ROW_TASKS / quads + 1) : 1;
+    const int64_t rows_per = (m + chunks - 1) / chunks;
+    at::parallel_for(0, quads * chunks, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t u = t / chunks, r0 = (t % chunks) * rows_per, r1 = std::min(m, r0 + rows_per);
+        if (r0 < r1)
+          fn(w, a.rows_from(r0), r1 - r0, static_cast<char*>(yp) + r0 * out_features * item, out_features,
+             out.bias_ptr(), u, u + 1);
+      }
     });
   }
   return out.result(x);

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -67,12 +68,12 @@ struct LinearOut {
   std::optional<at::Tensor> bias;
   std::vector<int64_t> shape;
   const float* bias_ptr() const { return bias.has_value() ? bias->data_ptr<float>() : nullptr; }
-  at::Tensor result(const at::Tensor& x) const { return y.to(x.scalar_type()).view(shape); }
+  at::Tensor result(const at::Tensor& x) const { return y.to(x.scalar_type()).view(shape); }  // a no-op cast where y is x's dtype
 };
 
 inline LinearOut linear_out(const at::Tensor& x, int64_t m, int64_t out_features,
-                            const std::optional<at::Tensor>& bias) {
-  LinearOut out{at::empty({m, out_features}, x.options().dtype(at::kFloat)), std::nullopt,
+                            const std::optional<at::Tensor>& bias, at::ScalarType dtype = at::kFloat) {
+  LinearOut out{at::empty({m, out_features}, x.options().dtype(dtype)), std::nullopt,
                 std::vector<int64_t>(x.sizes().begin(), x.sizes().end())};
   out.shape.back() = out_features;
   if (bias.has_value()) {
@@ -82,16 +83,22 @@ inline LinearOut linear_out(const at::Tensor& x, int64_t m, int64_t out_features
   return out;
 }
 
-// R rows of accumulators -> y[r, n0 .. n0 + NP * W), features past n dropped (padding panels).
-template <int R, int NP>
-inline void store_tile(const vf (&acc)[R][NP], float* y, int64_t n, int64_t n0, const float* bias) {
+// R rows of accumulators -> y[r, n0 .. n0 + NP * W) in fp32 or bf16, features past n dropped (padding panels).
+template <int R, int NP, typename Y = float>
+inline void store_tile(const vf (&acc)[R][NP], Y* y, int64_t n, int64_t n0, const float* bias) {
   alignas(64) float row[NP * W];
   const int64_t width = std::min<int64_t>(NP * W, n - n0);
   for (int r = 0; r < R; ++r) {
     for (int p = 0; p < NP; ++p) std::memcpy(row + p * W, &acc[r][p], sizeof(vf));
     if (bias != nullptr)
       for (int64_t j = 0; j < width; ++j) row[j] += bias[n0 + j];
-    std::memcpy(y + r * n + n0, row, width * sizeof(float));
+    if constexpr (std::is_same_v<Y, float>) {
+      std::memcpy(y + r * n + n0, row, width * sizeof(float));
+    } else {
+      alignas(64) uint16_t bits[NP * W];
+      for (int p = 0; p < NP; ++p) store_bf16(bits + p * W, load_f(row + p * W));
+      std::memcpy(y + r * n + n0, bits, width * sizeof(uint16_t));
+    }
   }
 }
 

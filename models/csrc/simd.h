@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -59,6 +60,85 @@ inline vf fmadd(vf a, vf b, vf c) {
 #else
   return a * b + c;
 #endif
+}
+
+// The largest lane, and the sum of the int lanes: a few shuffles, not a loop over W lanes
+inline float hmax(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)v);
+#elif defined(__AVX2__)
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+#else
+  float m = v[0];
+  for (int l = 1; l < W; ++l) m = m > v[l] ? m : v[l];
+  return m;
+#endif
+}
+
+inline int32_t hsum(vi v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_epi32((__m512i)v);
+#elif defined(__AVX2__)
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+#else
+  int32_t s = 0;
+  for (int l = 0; l < W; ++l) s += v[l];
+  return s;
+#endif
+}
+
+// bf16 is fp32's upper half: W of them widened exactly
+inline vf load_bf16(const void* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  const vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// fp32 -> bf16 bits, rounded to nearest even, NaN kept quiet: as c10::BFloat16(float) and Tensor.to round
+inline vu to_bf16_bits(vf v) {
+  vu u;
+  std::memcpy(&u, &v, sizeof u);
+  const vu rounded = (u + (0x7fffu + ((u >> 16) & 1u))) >> 16;
+  return v != v ? vu{} + 0x7fc0u : rounded;
+}
+
+inline void store_bf16(void* p, vf v) {
+  const vh h = __builtin_convertvector(to_bf16_bits(v), vh);
+  std::memcpy(p, &h, sizeof h);
+}
+
+// e^y: 2^n * e^r with |r| <= ln2 / 2, e^r to degree 6 (relative error about 1e-7, against libm's 0.5 ulp);
+// 0 below -87, inf above 88.7. Where libm's would round to a bf16 or a sum differently is rare and one ulp.
+inline vf exp_vf(vf y) {
+  const vf low = splat(-87.0f), high = splat(88.7f);
+  const vi under = y < low, over = y > high;
+  y = y < low ? low : y;
+  y = y > high ? high : y;
+  const vf shift = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf t = y * splat(1.44269504f) + shift;
+  const vf n = t - shift;
+  const vf r = (y - n * splat(0.693145752f)) - n * splat(1.42860677e-06f);
+  vf p = splat(1.0f / 720);
+  p = p * r + splat(1.0f / 120);
+  p = p * r + splat(1.0f / 24);
+  p = p * r + splat(1.0f / 6);
+  p = p * r + splat(0.5f);
+  p = p * r + splat(1.0f);
+  p = p * r + splat(1.0f);
+  vi bits;
+  std::memcpy(&bits, &t, sizeof bits);
+  const vi scale = (bits - 0x4B400000 + 127) << 23;  // 2^n: t's low mantissa bits hold n
+  vf two_n;
+  std::memcpy(&two_n, &scale, sizeof two_n);
+  const vf e = p * two_n;
+  return under ? vf{} : over ? splat(__builtin_inff()) : e;
 }
 
 }  // namespace

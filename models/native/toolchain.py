@@ -37,6 +37,7 @@ SOURCES = {
     "q8_linear": ROOT / "models" / "csrc" / "q8_linear.cpp",
     "decoder": ROOT / "models" / "csrc" / "decoder.cpp",
     "shm_comm": ROOT / "models" / "csrc" / "shm_comm.cpp",
+    "logit_scores": ROOT / "models" / "csrc" / "logit_scores.cpp",
 }
 # The headers the kernel files include (simd.h: the vector types, the ISA preamble and the register
 # tiles; quant_panels.h: the quantized panels): every library's name hashes them all

@@ -70,6 +70,8 @@ def assemble(config: EngineConfig, model: DecoderLM | None = None, tokenizer: An
     else:
         dtype = dtype_name(model.dtype)
         prepare(model, detect(config.device), dtype, dtype, config.device)
+    if pooling is None or config.task == BOTH:
+        _require_lm_head(model, config.model)
     _describe(model.cpu_path)
     spec = config.speculative_config
     draft = _load_draft(config, spec, model, tokenizer) if spec is not None and spec.method == "draft_model" else None
@@ -160,10 +162,18 @@ def _load_draft(config: EngineConfig, spec: SpeculativeConfig, model: DecoderLM,
     path = resolve_model(spec.model)
     draft = load_for_serving(path, config.dtype, config.device, quantization=spec.quantization,
                              activations=config.activations)
+    _require_lm_head(draft, spec.model)
     check_vocabulary(model, tokenizer, draft, load_tokenizer(path), spec.model)
     logger.info("attnserve draft model %s: %s, weights %s", spec.model, draft.quantization,
                 format_size(draft.weight_bytes()))
     return draft
+
+
+def _require_lm_head(model: DecoderLM, name: str) -> None:
+    """A model that generates needs logits; a base model's checkpoint may have no LM head (models/loader.py)."""
+    if model.lm_head is None:
+        raise ValueError(f"{name}: a base model's checkpoint with no LM head (no lm_head.weight, embeddings not "
+                         "tied) cannot generate; it serves embeddings only (--task embed)")
 
 
 def _blocks_in(config: EngineConfig, budget: int, block_bytes: int, weight_bytes: int) -> int:

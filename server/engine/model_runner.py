@@ -14,7 +14,7 @@ from models.transformer import DecoderLM
 from server.engine.grammar import apply_bitmask, fill_bitmask
 from server.engine.rejection_sampler import verify
 from server.engine.request import Request
-from server.engine.sampler import SamplingBatch, prompt_logprobs, sample
+from server.engine.sampler import SamplingBatch, prompt_logprobs, sample, score_prompt_rows
 from server.engine.scheduler import SchedulerOutput
 from server.engine.shard_worker import StepInputs
 from server.engine.step import choose_step
@@ -67,10 +67,12 @@ class StepResult:
 
 @dataclass(frozen=True)
 class Pending:
-    """A step `submit` started: its logits rows (R, V) or None, and its pooled rows (P, C) fp32 or None."""
+    """A step `submit` started: its sampling rows' logits (r, V) or None, its pooled rows (P, C) fp32 or
+    None, and its prompt rows' scores (`Batch.prompt_rows`, in order) or None."""
 
     logits: torch.Tensor | None
     pooled: torch.Tensor | None
+    prompt_scores: list[TokenLogprob] | None = None
 
 
 class ModelRunner:
@@ -161,24 +163,27 @@ class ModelRunner:
         pooled = hidden[batch.pooling_rows].float() if batch.pooling_rows is not None else None  # (P, C)
         if not len(batch.logits_indices):
             return Pending(None, pooled)
-        return Pending(self.model.logits(hidden[batch.logits_indices]), pooled)  # (R, V) in the model's dtype
+        rows, r = hidden[batch.logits_indices], batch.num_sampling_rows  # (R, C)
+        logits = self.model.logits(rows[:r]) if r else None  # (r, V) in the model's dtype
+        if batch.prompt_rows is None:
+            return Pending(logits, pooled)
+        scores = score_prompt_rows(self.model.logits, rows[r:], batch.prompt_rows.targets, batch.prompt_rows.ks)
+        return Pending(logits, pooled, scores)
 
     @torch.inference_mode()
     def finish(self, batch: Batch, pending) -> StepResult:
         """The step's tokens, sampled from its logits (`pending`: what `submit` returned)."""
         logits = self.logits_of(pending)
-        if logits is None:
-            return StepResult((), ())
         scored: list[tuple[Request, int, tuple[TokenLogprob, ...]]] = []
         if batch.prompt_rows is not None:  # NOTE: from the raw logits, before any mask or sampling field
-            r, rows = batch.num_sampling_rows, batch.prompt_rows
-            values, at = prompt_logprobs(logits[r:], rows.targets, rows.ks), 0
-            for req, first, m in rows.seqs:
+            values, at = self.prompt_scores(batch, pending, logits), 0
+            for req, first, m in batch.prompt_rows.seqs:
                 scored.append((req, first, tuple(values[at:at + m])))
                 at += m
-            logits = logits[:r]
-            if not r:
-                return StepResult((), (), tuple(scored))
+        r = batch.num_sampling_rows
+        if not r:
+            return StepResult((), (), tuple(scored))
+        logits = logits[:r]
         if batch.grammar_masks is not None:
             apply_bitmask(logits, batch.grammar_masks)  # every sampling field then applies inside the mask
         if batch.draft_token_ids is not None:
@@ -189,6 +194,9 @@ class ModelRunner:
 
     def logits_of(self, pending):
         return pending.logits
+
+    def prompt_scores(self, batch: Batch, pending, logits) -> list[TokenLogprob]:
+        return pending.prompt_scores
 
     def pooled(self, batch: Batch, pending) -> tuple[torch.Tensor, ...]:
         """Per embedding sequence of the step, in order: the (k, C) fp32 hidden-state rows its pooling reads."""
@@ -232,6 +240,11 @@ class DistributedRunner(ModelRunner):
 
     def logits_of(self, pending):
         return self.executor.result(pending)
+
+    def prompt_scores(self, batch: Batch, pending, logits) -> list[TokenLogprob]:
+        """The last stage returns every logits row, the prompt rows' after the sampling ones."""
+        rows = batch.prompt_rows
+        return prompt_logprobs(logits[batch.num_sampling_rows:], rows.targets, rows.ks)
 
     def pooled(self, batch: Batch, pending) -> tuple[torch.Tensor, ...]:
         return ()  # NOTE: no embedding requests here: EngineConfig refuses task embed with tensor or pipeline parallelism

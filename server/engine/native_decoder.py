@@ -33,7 +33,8 @@ def unsupported(model: DecoderLM) -> str | None:
         return f"attention variants or block forms it does not implement ({', '.join(cfg.attention_variants)})"
     if not ops.cpu_backend().startswith("native"):
         return "no C++ paged-attention kernel"
-    if model.embed is None or model.lm_head is None:
+    # NOTE: a base model's checkpoint has no LM head (embeddings only) and runs here all the same
+    if model.embed is None or model.layer_range != range(cfg.num_layers):
         return "a pipeline stage (it runs every layer from embedding to final norm)"
     if _communicator(model) is False:
         return "tensor-parallel all-reduces over gloo (only shared memory is called from C++)"

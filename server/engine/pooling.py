@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from server.engine.sampling_params import SamplingParams
 
 BOTH = "generate,embed"  # a model that answers both kinds, in the same engine steps
@@ -39,6 +41,17 @@ class Pooling:
 
     def as_dict(self) -> dict[str, Any]:
         return {"method": self.method, "normalize": self.normalize}
+
+
+def truncate(vector: Any, dimensions: int | None) -> np.ndarray:
+    """An embedding's first `dimensions` values (Matryoshka), renormalised to unit L2 norm whether or not the
+    model normalises: a cut vector's cosines and dot products mean something only at unit norm. (vLLM
+    renormalises only a normalising model's.) (C,) -> (dimensions,) float32; None or the full width: as is."""
+    v = np.asarray(vector, dtype=np.float32)
+    if dimensions is None or dimensions >= len(v):
+        return v
+    v = v[:dimensions]
+    return v / np.float32(max(float(np.linalg.norm(v)), NORM_EPS))
 
 
 def serves(task: str, kind: str) -> bool:

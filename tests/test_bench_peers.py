@@ -1,0 +1,64 @@
+"""The embeddings and prompt-logprobs benchmarks against vLLM run end to end on a tiny model (vLLM, in its own venv, is
+skipped and says so where the venv is missing, as in every test), and the one runner of vLLM's side
+keeps figures a script wrote before its process died, and only those."""
+import json
+import math
+import signal
+import stat
+import statistics
+from argparse import Namespace
+
+from loadtests.bench_embeddings import main as bench_embeddings
+from loadtests.bench_engine import run_vllm
+from loadtests.bench_prompt_logprobs import main as bench_prompt_logprobs
+
+
+def test_bench_embeddings_quick_run(tiny_checkpoints, tmp_path, capsys):
+    out = tmp_path / "embed.json"
+    bench_embeddings(["--model", str(tiny_checkpoints["llama"]), "--dtype", "float32", "--inputs", "6",
+                      "--tokens", "12", "--repeats", "2", "--check", "3", "--threads", "1",
+                      "--peers-venv", str(tmp_path / "no-venv"), "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert "make peers" in data["vllm"]["skipped"] and data["cosines"] is None
+    ours = data["attnserve"]
+    assert len(ours["runs"]) == 2 and min(ours["runs"]) > 0 and ours["tokens_per_s"] == statistics.median(ours["runs"])
+    assert len(ours["embeddings"]) == 3 and all(math.isclose(math.hypot(*e), 1.0, rel_tol=1e-4) for e in ours["embeddings"])
+    table = capsys.readouterr().out
+    assert "| attnserve |" in table and "| vllm | skipped:" in table and "inputs=6 tokens=12" in table
+
+
+def test_bench_prompt_logprobs_quick_run(tiny_checkpoints, tmp_path, capsys):
+    out = tmp_path / "plp.json"
+    bench_prompt_logprobs(["--model", str(tiny_checkpoints["llama"]), "--dtype", "float32", "--tokens", "40",
+                           "--repeats", "2", "--threads", "1", "--peers-venv", str(tmp_path / "no-venv"),
+                           "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert "make peers" in data["vllm"]["skipped"]
+    ours = data["attnserve"]
+    assert set(ours["times_s"]) == {"None", "0", "5"} and all(len(t) == 2 for t in ours["times_s"].values())
+    assert len(ours["prompt_logprobs"]) == 39 and all(lp <= 0 for lp in ours["prompt_logprobs"])
+    table = capsys.readouterr().out
+    assert "| no prompt logprobs |" in table and "| prompt_logprobs=5 |" in table and "largest overhead" in table
+
+
+FAKE_PYTHON = """#!/bin/sh
+# vLLM's python as run_vllm starts it (SCRIPT SPEC OUT): {write} writes OUT, then it aborts (SIGABRT)
+[ "{write}" = yes ] && echo '{{"tokens_per_s": 7}}' > "$3"
+echo "terminate called without an active exception" >&2
+kill -ABRT $$
+"""
+
+
+def test_run_vllm_keeps_figures_written_before_a_crash_and_only_those(tmp_path):
+    for write in ("yes", "no"):
+        venv = tmp_path / write
+        (venv / "bin").mkdir(parents=True)
+        python = venv / "bin" / "python"
+        python.write_text(FAKE_PYTHON.format(write=write))
+        python.chmod(python.stat().st_mode | stat.S_IXUSR)
+        result = run_vllm(Namespace(peers_venv=str(venv), threads=1), "vllm_embed.py", {"model": "m"})
+        if write == "yes":
+            assert result == {"tokens_per_s": 7}
+        else:
+            assert result["skipped"].startswith(f"vLLM failed (exit {-signal.SIGABRT})")
+            assert "without an active exception" in result["skipped"]
