@@ -126,6 +126,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quantized", action="store_true", help="int8 / int4 kernels: torch's and ours")
     ap.add_argument("--slow-limit", type=float, default=20.0, help="skip a candidate at larger M once one pass takes this many s")
+    ap.add_argument("--only", help="only the candidates whose name contains this (e.g. x8: the 8-bit-activation ones)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -137,6 +138,8 @@ def main(argv=None) -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     print(f"{'path':<16}" + "".join(f"{f'M={m} GFLOP/s':>16}" for m in tokens) + f"{f'M={tokens[0]} ms/pass':>16}")
     for name, (dtype, calls) in (quantized_candidates if args.quantized else candidates)(weights).items():
+        if args.only and args.only not in name:
+            continue
         row, slow, first = f"{name:<16}", False, None
         for m in tokens:
             if slow:
