@@ -142,15 +142,7 @@ void rope(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin, T* out, 
 }
 
 // out = silu(gate) * up, gate and up the two halves of each row of gate_up
-// W values of T as fp32, and back (rounded to nearest even in bf16, as a cast rounds)
-inline vf load_vec(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vf load_vec(const c10::BFloat16* p) { return load_bf16(p); }
-inline void store_vec(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline void store_vec(c10::BFloat16* p, vf v) { store_bf16(p, v); }
+// A vector rounded to T and back (identity in fp32), as `rounded` rounds one value
 template <typename T>
 inline vf rounded_vec(vf v) {
   if constexpr (std::is_same_v<T, float>) {

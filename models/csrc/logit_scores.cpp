@@ -26,14 +26,6 @@ constexpr int64_t MAX_K = 64;  // top-k kept per row; the API allows 20
 constexpr int NACC = 4;        // exp-sum accumulators per row: independent adds
 constexpr int FLUSH = 16;      // NACC-vector steps between emptying them into a double
 
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline vf load(const c10::BFloat16* p) { return load_bf16(p); }
-
 inline float value(const float* p) { return *p; }
 inline float value(const c10::BFloat16* p) { return float(*p); }
 
@@ -69,9 +61,8 @@ RowScore score_row(const T* x, int64_t n, int64_t target, Best& best) {
   const int64_t nv = n / W * W;
   // NOTE: a NaN row gives NaN, as log_softmax would; max treats it as smaller than all, so check
   vf m = splat(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < nv; j += W) m = vmax(m, load(x + j));
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int l = 0; l < W; ++l) mx = std::max(mx, m[l]);
+  for (int64_t j = 0; j < nv; j += W) m = vmax(m, load_vec(x + j));
+  float mx = hmax(m);
   for (int64_t j = nv; j < n; ++j) mx = std::max(mx, value(x + j));
   const float mine = value(x + target);
   const vf vmx = splat(mx), vmine = splat(mine);
@@ -87,7 +78,7 @@ RowScore score_row(const T* x, int64_t n, int64_t target, Best& best) {
     }
   };
   auto step = [&](int64_t j, vf& acc) {
-    const vf v = load(x + j);
+    const vf v = load_vec(x + j);
     acc += exp_vf(v - vmx);
     counts -= (v >= vmine);  // a true lane is -1
     bool any = best.open();
@@ -114,8 +105,7 @@ RowScore score_row(const T* x, int64_t n, int64_t target, Best& best) {
     best.offer(v, j);
   }
   sum += tail_sum;
-  int64_t count = tail_count;
-  for (int l = 0; l < W; ++l) count += counts[l];
+  const int64_t count = tail_count + hsum(counts);
   if (std::isnan(mine) || std::isnan(mx)) return {std::numeric_limits<float>::quiet_NaN(), count};
   return {mx + float(std::log(sum)), count};
 }

@@ -270,10 +270,6 @@ RunFn format_runner(int64_t bits, bool half, bool offsets) {
 // The activation block for a group size: 32, or the group itself when it is 16 (Q6_K).
 inline int64_t act_block(int64_t group) { return group % 32 == 0 ? 32 : group; }
 
-// x widened to fp32, W values at a time (bf16 is fp32's upper half)
-inline vf load_x(const float* p) { return load_f(p); }
-inline vf load_x(const c10::BFloat16* p) { return load_bf16(p); }
-
 // x (M, K) fp32 or bf16 -> int8 codes, block scales and the offsets' factor, row by row; W values at a time
 // (a block of 16 or 32 is whole vectors at every level). NOTE: the same values as rounding each input with
 // nearbyint: t + 1.5 * 2^23 - 1.5 * 2^23 rounds |t| <= 127 to the nearest integer, ties to even, as the
@@ -292,7 +288,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k_dim, int64_t block, int64_t 
           int8_t* qb = q + r * k_dim + b * block;
           vf vmax{};
           for (int64_t i = 0; i < block; i += W) {
-            const vf v = load_x(xb + i);
+            const vf v = load_vec(xb + i);
             const vf a = v < vf{} ? -v : v;
             vmax = a > vmax ? a : vmax;
           }
@@ -300,7 +296,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k_dim, int64_t block, int64_t 
           const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
           vi sums{};
           for (int64_t i = 0; i < block; i += W) {
-            vf t = load_x(xb + i) * splat(inv);
+            vf t = load_vec(xb + i) * splat(inv);
             t = t > hi ? hi : t;
             t = t < lo ? lo : t;
             const vi v = __builtin_convertvector((t + round) - round, vi);

@@ -37,12 +37,6 @@ struct Fmt {
   static constexpr bool HALF = HALF_, OFFSET = OFFSET_;
 };
 
-inline vf load_f(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
 // W scales (or offsets) of one panel and group
 template <bool HALF>
 inline vf load_scales(const void* base, int64_t at) {

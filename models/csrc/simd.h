@@ -4,6 +4,8 @@
 // text is part of every library's build hash.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -113,6 +115,18 @@ inline void store_bf16(void* p, vf v) {
   const vh h = __builtin_convertvector(to_bf16_bits(v), vh);
   std::memcpy(p, &h, sizeof h);
 }
+
+inline vf load_f(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// W values of a kernel's element type (fp32 or bf16) as fp32, and back (bf16 rounded to nearest even)
+inline vf load_vec(const float* p) { return load_f(p); }
+inline vf load_vec(const c10::BFloat16* p) { return load_bf16(p); }
+inline void store_vec(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline void store_vec(c10::BFloat16* p, vf v) { store_bf16(p, v); }
 
 // e^y: 2^n * e^r with |r| <= ln2 / 2, e^r to degree 6 (relative error about 1e-7, against libm's 0.5 ulp);
 // 0 below -87, inf above 88.7. Where libm's would round to a bf16 or a sum differently is rare and one ulp.
