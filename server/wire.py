@@ -9,9 +9,47 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from models.lora_format import LoraShapes
 from models.native.cpu_path import CpuPath
 from server.engine.pooling import Pooling
 from server.engine.sampling_params import SamplingParams
+
+
+# ---- LoRA adapters -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoraRef:
+    """A LoRA adapter as requests name it: checked once (models/lora_format.py) when registered."""
+
+    name: str  # what a request's `model` says
+    parent: str  # the served model it adapts
+    path: str  # its directory (adapter_config.json + adapter_model.safetensors) on the replicas' file system
+    salt: bytes  # models.lora_format.cache_salt of its digest: its KV blocks never match another's
+
+
+@dataclass(frozen=True)
+class LoadLora:
+    """Make an adapter resident on the engine (loaded into a slot, evicting the least recently used)."""
+
+    request_id: str
+    ref: LoraRef
+
+
+@dataclass(frozen=True)
+class UnloadLora:
+    """Drop an adapter: requests in flight on it finish first; new ones are refused."""
+
+    request_id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class LoraAnswer:
+    """The engine's answer to LoadLora / UnloadLora."""
+
+    request_id: str
+    error: str | None = None
+    status: int = 200  # the HTTP status an error answers with
+    seconds: float = 0.0  # a load's time: reading, checking and installing the weights
 
 
 # ---- engine outputs ------------------------------------------------------------------------------
@@ -47,6 +85,7 @@ class RequestStats:
     spec_accepted: list[int] = field(default_factory=list)  # ... and accepted at position i
     n: int = 1  # the request's samples (this is one of them) and its max_tokens: vLLM's request_params_*
     max_tokens: int = 0
+    lora: str | None = None  # the LoRA adapter it ran with; None: the base model
 
     @property
     def num_draft_tokens(self) -> int:
@@ -137,6 +176,11 @@ class EngineStats:
     num_adds_received: int
     resident_memory_bytes: int  # the engine process's own
     preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # the preempted request's priority -> count
+    num_lora_loads: int = 0  # LoRA adapters installed into a slot, and evicted from one, since start
+    num_lora_evictions: int = 0
+    resident_loras: tuple[str, ...] = ()  # adapters in a slot now, least recently used first
+    running_loras: tuple[str, ...] = ()  # adapters of running requests, and of waiting ones (vLLM's lora_requests_info)
+    waiting_loras: tuple[str, ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -192,6 +236,7 @@ class ModelInfo:
     task: str = "generate"  # what the model serves: generate, or embed (/v1/embeddings; then `pooling` says how)
     pooling: Pooling | None = None
     hidden_size: int = 0  # an embedding's width (`dimensions` may truncate it)
+    lora: LoraShapes | None = None  # what LoRA adapters must fit; None: the engine has no LoRA slots (max_loras 0)
 
 
 # ---- replica -> metrics hub ----------------------------------------------------------------------
@@ -249,6 +294,10 @@ class MetricsSnapshot:
     spec_drafted: tuple[int, ...] = ()  # speculative decoding: drafts at position i, summed over requests
     spec_accepted: tuple[int, ...] = ()
     recent: tuple[RequestPoint, ...] = ()
+    lora_requests: dict[str, int] = field(default_factory=dict)  # finished requests by LoRA adapter
+    lora_prompt_tokens: dict[str, int] = field(default_factory=dict)
+    lora_generation_tokens: dict[str, int] = field(default_factory=dict)
+    loras: tuple[str, ...] = ()  # the adapters resident on the replica now
     replica: str = "?"  # Ray's replica and node ids, set by the reporter
     node: str = "local"
 
@@ -267,6 +316,7 @@ class AddRequest:
     arrival_time: float
     final_only: bool = False  # a non-streaming caller: one output per sample, when it finishes
     embed: bool = False  # an embedding request: prefill only, one final output with its pooled vector
+    lora: LoraRef | None = None  # the adapter it runs with; None: the base model
 
 
 @dataclass(frozen=True)
@@ -371,6 +421,7 @@ class GenerateCall:
     chat_template_kwargs: dict[str, Any] | None = None  # extra chat-template arguments ({"enable_thinking": False})
     chat: bool = False  # a chat's answer (kept when the ingress tokenizes its messages): reasoning applies
     echo: bool = False  # completions' echo: the prompt's text comes back in PromptInfo
+    lora: LoraRef | None = None  # the adapter the request named in `model`; None: the base model
 
 
 @dataclass(frozen=True)

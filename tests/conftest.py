@@ -179,3 +179,13 @@ def serve_url(ray_session, tiny_variants) -> str:
     serve.run(build_app(cfg), name=TINY_APP, route_prefix="/")
     yield ray_session
     serve.delete(TINY_APP)
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """tests/lora_helpers.py ADAPTERS made with PEFT on the tiny llama (GQA), one seed each."""
+    from tests.lora_helpers import ADAPTERS, make_adapter
+
+    root = tmp_path_factory.mktemp("lora")
+    return {name: make_adapter(tiny_checkpoints["llama"], root / name, seed=i, **cfg)
+            for i, (name, cfg) in enumerate(ADAPTERS.items())}

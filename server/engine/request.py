@@ -11,7 +11,7 @@ from server.engine.grammar import SequenceGrammar
 from server.engine.pooling import PooledPrompt
 from server.engine.sampling_params import SamplingParams
 from server.engine.thinking import Thinking
-from server.wire import RequestStats, TokenLogprob
+from server.wire import LoraRef, RequestStats, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +50,8 @@ class Request:
         self.thinking = Thinking(params.reasoning) if params.reasoning is not None else None  # a reasoning model's
         self.draft_token_ids: list[int] = []  # speculative decoding: proposed to follow, verified next step
         self.draft_acceptance = 1.0  # moving average of the fraction of drafts accepted (adaptive k)
+        self.lora: LoraRef | None = None  # its LoRA adapter (set by the engine); None: the base model
+        self.lora_slot: int | None = None  # the adapter's slot while it holds one (server/engine/lora_manager.py)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed((params.seed + index) % 2**63)
