@@ -24,7 +24,8 @@ HASH_BYTES = 16
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Chained hash: equal hashes mean equal whole prefixes, not just equal blocks."""
+    """Chained hash: equal hashes mean equal whole prefixes, not just equal blocks. A prompt's first
+    block chains from its salt (a LoRA adapter's: kvcache/manager.py), or from nothing."""
     h = hashlib.blake2b(parent or b"", digest_size=HASH_BYTES)
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return h.digest()

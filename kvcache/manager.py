@@ -19,12 +19,19 @@ def layer_blocks(window: int | None, block_size: int, num_tokens: int) -> int:
     return full if window is None else min(full, cdiv(window - 1, block_size) + 1)
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes | None = None) -> list[BlockHash]:
     """The chained hashes of the blocks a prefix-cache lookup of this prompt checks (`find_prefix`):
-    the router matches them against replicas' cache summaries."""
-    hashes: list[BlockHash] = []
-    for i in range((len(token_ids) - 1) // block_size):
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * block_size:(i + 1) * block_size]))
+    the router matches them against replicas' cache summaries. `salt`: see `KVCacheManager.find_prefix`."""
+    return _chain([], token_ids, block_size, (len(token_ids) - 1) // block_size, salt)
+
+
+def _chain(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_full_blocks: int,
+           salt: bytes | None) -> list[BlockHash]:
+    """`hashes` extended to the first `num_full_blocks` blocks of token_ids. NOTE: the salt is the root of
+    the chain, so it keys every block after it; None gives the unsalted hashes."""
+    for i in range(len(hashes), num_full_blocks):
+        parent = hashes[-1] if hashes else salt
+        hashes.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size]))
     return hashes
 
 
@@ -79,12 +86,9 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return self.pool.num_used_blocks
 
-    def _hashes(self, request_id: str, token_ids: Sequence[int], num_full_blocks: int) -> list[BlockHash]:
-        hashes = self.req_hashes.setdefault(request_id, [])
-        bs = self.block_size
-        for i in range(len(hashes), num_full_blocks):
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
-        return hashes
+    def _hashes(self, request_id: str, token_ids: Sequence[int], num_full_blocks: int,
+                salt: bytes | None = None) -> list[BlockHash]:
+        return _chain(self.req_hashes.setdefault(request_id, []), token_ids, self.block_size, num_full_blocks, salt)
 
     def _first_visible(self, group: int, num_computed_tokens: int) -> int:
         """Index of the first block the next token to compute (at position num_computed_tokens)
@@ -92,16 +96,19 @@ class KVCacheManager:
         window = self.group_windows[group]
         return 0 if window is None else max(0, num_computed_tokens - window + 1) // self.block_size
 
-    def find_prefix(self, request_id: str, token_ids: Sequence[int]) -> PrefixHit:
+    def find_prefix(self, request_id: str, token_ids: Sequence[int], salt: bytes | None = None) -> PrefixHit:
         """Longest run of cached full blocks at the start of token_ids that every group can use:
         a global group needs all of them, a windowed group the ones its window still sees.
+
+        `salt` (a LoRA adapter's, None for the base model) roots the chain of hashes: prompts under
+        different salts share no block. A request passes the same salt here and to cache_full_blocks.
 
         NOTE: at most len(token_ids) - 1 tokens may hit, so at least one token is computed
         and produces the logits for the next sample.
         """
         if not self.pool.enable_caching:
             return NO_HIT
-        hashes = self._hashes(request_id, token_ids, (len(token_ids) - 1) // self.block_size)
+        hashes = self._hashes(request_id, token_ids, (len(token_ids) - 1) // self.block_size, salt)
         get = self.pool.get_cached_block
         num = len(hashes)
         for g, window in enumerate(self.group_windows):  # global groups: the run from the start
@@ -163,8 +170,10 @@ class KVCacheManager:
                 self.pool.free(reversed(unseen))
                 blocks[:first] = [None] * first
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Register the request's blocks that are full and computed, so later prompts can share them."""
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                          salt: bytes | None = None) -> None:
+        """Register the request's blocks that are full and computed, so later prompts can share them
+        (`salt`: as find_prefix's)."""
         if not self.pool.enable_caching:
             return
         groups = self.req_blocks.get(request_id)
@@ -174,7 +183,7 @@ class KVCacheManager:
         start = self.num_cached_blocks.get(request_id, 0)
         if num_full <= start:
             return
-        hashes = self._hashes(request_id, token_ids, num_full)
+        hashes = self._hashes(request_id, token_ids, num_full, salt)
         for g, blocks in enumerate(groups):
             for i in range(start, num_full):
                 if blocks[i] is not None:

@@ -34,7 +34,7 @@ from models.native.cpu_features import apply_isa_cap  # noqa: E402
 apply_isa_cap()  # NOTE: before torch
 import torch  # noqa: E402
 
-from loadtests.bench_engine import make_prompts, peer_parser, peer_systems, run_vllm  # noqa: E402
+from loadtests.bench_engine import make_prompts, peer_parser, peer_systems, print_ratio_rows, run_vllm  # noqa: E402
 from models import load_tokenizer, resolve_model  # noqa: E402
 from server.engine import EngineConfig, LLMEngine  # noqa: E402
 
@@ -78,12 +78,7 @@ def print_table(args, results: dict) -> None:
     print(f"\nmodel={args.model} dtype={args.dtype} attnserve quantization={args.quantization} step={step} "
           f"threads={args.threads} inputs={args.inputs} tokens={args.tokens} repeats={args.repeats}\n")
     print("| system | tokens/s (median) | runs | attnserve / system |\n|---|---:|---|---:|")
-    for name, r in results.items():
-        if "skipped" in r:
-            print(f"| {name} | skipped: {r['skipped']} | | |")
-            continue
-        ratio = f"{ours / r['tokens_per_s']:.2f}" if ours else "-"
-        print(f"| {name} | {r['tokens_per_s']:.1f} | {', '.join(f'{x:.1f}' for x in r['runs'])} | {ratio} |")
+    print_ratio_rows(results, ours)
     if ours and "tokens_per_s" in results.get("vllm", {}):
         ratio = ours / results["vllm"]["tokens_per_s"]
         print(f"\nattnserve / vLLM: {ratio:.2f} (issue 38's target: >= {TARGET}: {'met' if ratio >= TARGET else 'not met'})")

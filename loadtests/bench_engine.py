@@ -274,6 +274,17 @@ def peer_systems(p: argparse.ArgumentParser, args, systems: tuple[str, ...]) -> 
     return chosen
 
 
+def print_ratio_rows(results: dict, ours: float | None) -> None:
+    """One markdown row per system (bench_embeddings, bench_lora): its median tokens/s, its runs, and
+    attnserve's figure over it."""
+    for name, r in results.items():
+        if "skipped" in r:
+            print(f"| {name} | skipped: {r['skipped']} | | |")
+            continue
+        ratio = f"{ours / r['tokens_per_s']:.2f}" if ours else "-"
+        print(f"| {name} | {r['tokens_per_s']:.1f} | {', '.join(f'{x:.1f}' for x in r['runs'])} | {ratio} |")
+
+
 def bench_vllm(args, prompts, steps, default_binding: bool = False) -> dict:
     """The same workload through vLLM's engine (vllm_engine.py)."""
     return run_vllm(args, "vllm_engine.py", {"model": str(resolve_model(args.model)), "dtype": args.dtype,

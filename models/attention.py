@@ -16,6 +16,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.layers import make_norm
+from models.lora import LoraStep
 from models.rope import apply_rope
 
 
@@ -172,9 +173,13 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         attention: AttentionFn,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
+        """`lora`: each adapter row's delta, added to q/k/v before QK-norm and RoPE (where PEFT adds it)."""
         t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) D)
+        if lora is not None:
+            qkv = lora.apply(self.layer_idx, "qkv", x, qkv)
         if self.qk_norm == "all":  # over every head at once, before the split into heads (OLMo 2)
             q, k, v = qkv.split((h * d, hkv * d, hkv * d), dim=-1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-1).view(t, h + hkv, d)  # (T, H + Hkv, D)
@@ -188,5 +193,7 @@ class CausalSelfAttention(nn.Module):
             qk = apply_rope(qk, *rope)  # q and k rotated in one pass
         q, k = qk[:, :h], qk[:, h:]  # (T, H, D), (T, Hkv, D)
         sinks = None if self.sinks is None else self.sinks.float()
-        out = attention(self.layer_idx, q, k, v, self.variant, sinks)  # (T, H, D)
-        return self.o_proj(out.reshape(t, h * d))
+        out = attention(self.layer_idx, q, k, v, self.variant, sinks).reshape(t, h * d)  # (T, H D)
+        if lora is None:
+            return self.o_proj(out)
+        return lora.apply(self.layer_idx, "o", out, self.o_proj(out))

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
+from models.lora import LoraStep
 
 
 class RMSNorm(nn.Module):
@@ -46,8 +47,9 @@ def activate(x: torch.Tensor, kind: str) -> torch.Tensor:
 class MLP(nn.Module):
     """SwiGLU (gate and up fused into one matmul) or a plain two-layer GELU MLP."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # which LoRA deltas are this layer's
         self.gated = cfg.mlp == "swiglu"
         self.activation = cfg.activation
         self.intermediate_size = cfg.intermediate_size
@@ -58,8 +60,17 @@ class MLP(nn.Module):
             self.up_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
+        """`lora`: each adapter row's delta, added to gate|up (or up) before the activation and to down's output."""
+        up_proj = self.gate_up_proj if self.gated else self.up_proj
+        up = up_proj(x)  # (T, 2 I) or (T, I)
+        if lora is not None:
+            up = lora.apply(self.layer_idx, "gate_up", x, up)
         if self.gated:
-            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # 2 x (T, I)
-            return self.down_proj(activate(gate, self.activation) * up)
-        return self.down_proj(activate(self.up_proj(x), self.activation))
+            gate, up = up.split(self.intermediate_size, dim=-1)  # 2 x (T, I)
+            act = activate(gate, self.activation) * up
+        else:
+            act = activate(up, self.activation)
+        if lora is None:
+            return self.down_proj(act)
+        return lora.apply(self.layer_idx, "down", act, self.down_proj(act))

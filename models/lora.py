@@ -5,11 +5,33 @@ low-rank delta to its own rows only (grouped by adapter, as SGMV does on GPUs).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
-from models.lora_format import MODULES, LoraShapes
+from models.config import ModelConfig
+from models.lora_format import MODULES, WEIGHTS, AdapterError, AdapterSpec, LoraShapes, check_adapter, delta_pieces
+from models.native.libraries import available, native_enabled
+
+# The grouped delta (models/csrc/lora.cpp): in place on y's rows, opaque to inductor
+_LIB = torch.library.Library("attnserve", "FRAGMENT")
+_LIB.define("lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, Tensor ranks, Tensor rows, Tensor seg_start, "
+            "Tensor seg_slot, int[] splits) -> ()")
+
+
+@torch.library.register_fake("attnserve::lora_add_")
+def _(y, x, a, bt, ranks, rows, seg_start, seg_slot, splits):
+    return None
+
+
+def lora_shapes(cfg: ModelConfig, max_loras: int, max_lora_rank: int) -> LoraShapes:
+    """The slots' and an adapter's shapes for a (whole, unsharded) model of `cfg`."""
+    return LoraShapes(cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads * cfg.head_dim,
+                      cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size, cfg.mlp == "swiglu",
+                      max_loras, max_lora_rank)
 
 
 class LoraSlots:
@@ -24,6 +46,9 @@ class LoraSlots:
     def __init__(self, shapes: LoraShapes, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         self.shapes = shapes
         self.dtype = dtype
+        # decided once, not per call: a compiled step reads a plain attribute
+        self.native = (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                       and native_enabled() and available("lora"))
         s, r = shapes.max_loras, shapes.max_lora_rank
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.bt: dict[tuple[int, str], torch.Tensor] = {}
@@ -42,8 +67,32 @@ class LoraSlots:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def clear(self, slot: int) -> None:
-        for t in self.tensors():
+        # NOTE: every reader (the C++ op, lora_add_reference) takes a piece's first `rank` rows of A and B^T
+        # only, so rank 0 empties a piece: the weights behind it are never read (zeroing 78 MB of fp32 slots
+        # took 240 ms of an adapter's load)
+        for t in self.ranks.values():
             t[slot].zero_()
+
+    def install(self, slot: int, spec: AdapterSpec) -> None:
+        """Copies the adapter's weights into `slot` (cleared first), scale folded into B^T; a fused PEFT
+        target (Phi-3's qkv_proj) gives every piece the same A and its own rows of B."""
+        check_adapter(spec, self.shapes)
+        self.clear(slot)
+        r = self.shapes.max_lora_rank
+        with safe_open(str(Path(spec.path) / WEIGHTS), framework="pt") as f:
+            for d in spec.deltas:
+                a, b = f.get_tensor(d.a_key), f.get_tensor(d.b_key)  # (rank, in), (out, rank)
+                if a.shape != (d.rank, d.in_features) or b.shape != (d.out_features, d.rank):
+                    raise AdapterError(f"{d.a_key}: the file changed since it was read")
+                key = (d.layer, d.module)
+                bounds = [0, *itertools.accumulate(self.shapes.splits(d.module))]
+                pieces = delta_pieces(d, self.shapes)
+                first = bounds[pieces[0]]  # B's row 0 is this output column
+                bt = (b.float() * d.scale).T  # (rank, out) in fp32: rounded once, to the slots' dtype
+                for p in pieces:
+                    self.a[key][slot, p * r:p * r + d.rank] = a
+                    self.bt[key][slot, :d.rank, bounds[p]:bounds[p + 1]] = bt[:, bounds[p] - first:bounds[p + 1] - first]
+                    self.ranks[key][slot, p] = d.rank
 
 
 @dataclass(frozen=True)
@@ -103,6 +152,7 @@ class LoraStep:
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (T, out) = the base linear's output on x (T, in); returns it with each row's delta added."""
         key = (layer, module)
-        lora_add_reference(y, x, self.slots.a[key], self.slots.bt[key], self.slots.ranks[key], self.meta.rows,
+        add = torch.ops.attnserve.lora_add_ if self.slots.native and y.is_cpu else lora_add_reference
+        add(y, x, self.slots.a[key], self.slots.bt[key], self.slots.ranks[key], self.meta.rows,
                            self.meta.seg_start, self.meta.seg_slot, list(self.slots.shapes.splits(module)))
         return y

@@ -7,6 +7,8 @@ from torch import nn
 from models.attention import AttentionFn, CausalSelfAttention, DenseAttention
 from models.config import ModelConfig
 from models.layers import MLP, make_norm
+from models.lora import LoraStep
+from models.parallel import RowParallel
 from models.rope import rope_cos_sin, rope_inv_freq
 
 
@@ -21,13 +23,14 @@ class DecoderLayer(nn.Module):
         self.attn = CausalSelfAttention(cfg, layer_idx)
         self.attn_post_norm = make_norm(cfg) if post else nn.Identity()
         self.mlp_norm = make_norm(cfg) if pre else nn.Identity()
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer_idx)
         self.mlp_post_norm = make_norm(cfg) if post else nn.Identity()
         self.residual_scale = cfg.residual_scale
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, attention: AttentionFn) -> torch.Tensor:
-        x = x + self._scaled(self.attn_post_norm(self.attn(self.attn_norm(x), rope, attention)))
-        return x + self._scaled(self.mlp_post_norm(self.mlp(self.mlp_norm(x))))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, attention: AttentionFn,
+                lora: LoraStep | None = None) -> torch.Tensor:
+        x = x + self._scaled(self.attn_post_norm(self.attn(self.attn_norm(x), rope, attention, lora)))
+        return x + self._scaled(self.mlp_post_norm(self.mlp(self.mlp_norm(x), lora)))
 
     def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
         return branch if self.residual_scale == 1.0 else branch * self.residual_scale
@@ -109,10 +112,14 @@ class DecoderLM(nn.Module):
         return sum(seen.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn | None = None,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, *, lora: LoraStep | None = None) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden). A later pipeline stage takes
         the previous stage's `hidden` (T, hidden) instead of embedding ids; an earlier one returns its
-        last layer's output, before the final norm."""
+        last layer's output, before the final norm. `lora`: the step's adapter rows and their deltas."""
+        if lora is not None and any(isinstance(layer.attn.o_proj, RowParallel) for layer in self.layers):
+            # NOTE: a rank's q/k/v and gate/up are its shard's columns and o/down's input its shard's
+            # features, while the slots hold whole adapters: the deltas would not fit
+            raise ValueError("LoRA adapters with tensor parallelism are not supported")
         if attention is None:
             attention = DenseAttention((input_ids.shape[0],))
         cfg = self.config
@@ -130,7 +137,7 @@ class DecoderLM(nn.Module):
             tables = [rope_cos_sin(positions, f, x.dtype) for f in [self.inv_freq, *extra]]
         rope_index = self.rope_index[self.layer_range.start:self.layer_range.stop] or [None] * len(self.layers)
         for layer, k in zip(self.layers, rope_index):
-            x = layer(x, None if k is None else tables[k], attention)
+            x = layer(x, None if k is None else tables[k], attention, lora)
         return self.final_norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,7 @@ def _engine_config(args: argparse.Namespace, model: str = "default"):
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         worker_cpus=args.worker_cpus, reasoning_parser=args.reasoning_parser, reasoning_budget=args.reasoning_budget,
         task=args.task, pooling=args.pooling, embed_normalize=args.embed_normalize,
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
     )
 
 
@@ -195,6 +196,17 @@ def _parse_models(specs: list[str] | None) -> dict[str, str]:
     return models
 
 
+def _parse_lora_modules(specs: list[str] | None) -> dict[str, str]:
+    """--lora-modules NAME=PATH ...: adapters of the served model."""
+    modules: dict[str, str] = {}
+    for spec in specs or []:
+        name, _, path = spec.partition("=")
+        if not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, not {spec!r}")
+        modules[name] = path
+    return modules
+
+
 def _serve(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local clusters; keeps `serve status` working
@@ -202,7 +214,14 @@ def _serve(args: argparse.Namespace) -> int:
     import ray  # noqa: PLC0415 - Ray
     from ray import serve  # noqa: PLC0415 - Ray
 
-    from server.deployment import HUB_NAMESPACE, build_app, hub_name, required_cpus  # noqa: PLC0415 - Ray
+    from models.lora_format import read_adapter  # noqa: PLC0415 - after the ISA cap, as the rest
+    from server.deployment import (  # noqa: PLC0415 - Ray
+        HUB_NAMESPACE,
+        build_app,
+        hub_name,
+        registry_name,
+        required_cpus,
+    )
     from server.openai_api import ApiLimits  # noqa: PLC0415 - FastAPI, pydantic
     from server.serve_config import ServeConfig  # noqa: PLC0415 - FastAPI, pydantic
 
@@ -217,11 +236,14 @@ def _serve(args: argparse.Namespace) -> int:
         router=args.router, replica_resources=json.loads(args.replica_resources),
         ingress_resources=json.loads(args.ingress_resources),
         responses_store_size=args.responses_store_size, responses_store_ttl_s=args.responses_store_ttl,
+        lora_modules=_parse_lora_modules(args.lora_modules), allow_runtime_lora=args.allow_runtime_lora,
         limits=ApiLimits(max_n=args.max_n, max_tokens=args.max_tokens_limit,
                          max_body_bytes=parse_size(args.max_body_size),
                          max_concurrent_streams=args.max_concurrent_streams,
                          max_attention_tokens=args.max_attention_tokens, max_tool_calls=args.max_tool_calls),
     )
+    for path in cfg.lora_modules.values():  # a missing or pickle-only adapter stops us here, not in a replica
+        read_adapter(path)
     joined = args.address is not None
     if joined:
         ray.init(address=args.address, include_dashboard=args.dashboard or None)
@@ -258,10 +280,11 @@ def _serve(args: argparse.Namespace) -> int:
     print("attnserve: shutting down: draining in-flight requests...", flush=True)
     left = _drain(args.app_name, args.drain_timeout)
     print(f"attnserve: {'drained' if left == 0 else f'{left} request(s) still running; aborting them'}", flush=True)
-    if joined:  # leave the cluster as we found it: our application and its metrics hub go
+    if joined:  # leave the cluster as we found it: our application, its metrics hub and adapters go
         serve.delete(args.app_name)
-        with contextlib.suppress(ValueError):
-            ray.kill(ray.get_actor(hub_name(args.app_name), namespace=HUB_NAMESPACE))
+        for actor in (hub_name(args.app_name), registry_name(args.app_name)):
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(actor, namespace=HUB_NAMESPACE))
     else:
         serve.shutdown()
     ray.shutdown()
@@ -389,6 +412,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooling", choices=POOLING_CHOICES, default=d["pooling"],
                    help="an embedding model's pooling of its final hidden states: last token, mean, cls (the first "
                         "token), or auto (the checkpoint's sentence-transformers config, else last)")
+    p.add_argument("--max-loras", type=int, default=d["max_loras"],
+                   help="LoRA adapters resident per engine at once, in one batch (least recently used ones are "
+                        "evicted); 0: no LoRA (serve's --lora-modules without it: 4)")
+    p.add_argument("--max-lora-rank", type=int, default=d["max_lora_rank"],
+                   help="largest LoRA rank an adapter may have (its slots are this wide)")
     p.add_argument("--embed-normalize", action=argparse.BooleanOptionalAction, default=d["embed_normalize"],
                    help="L2-normalise embeddings (default: as the checkpoint's sentence-transformers config says, "
                         "else on)")
@@ -487,6 +515,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="/v1/responses: the most stored responses kept for previous_response_id (oldest go first)")
     srv.add_argument("--responses-store-ttl", type=float, default=sd["responses_store_ttl_s"], metavar="SECONDS",
                      help="/v1/responses: how long a stored response is kept")
+    srv.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT directories, safetensors) of the served model; a request names one "
+                          "in `model`")
+    srv.add_argument("--allow-runtime-lora", action="store_true",
+                     help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter without --api-key (they read "
+                          "paths on the server: trusted networks only)")
     _add_engine_args(srv)
     srv.set_defaults(func=_serve)
     return parser

@@ -58,6 +58,8 @@ def dashboard_data(snapshots: list[MetricsSnapshot], now: float | None = None) -
             "replicas": len(live),
             # replicas report a "replica" and "node" (Ray ids) next to their counts
             "replicas_by_node": _replicas_by_node(live),
+            # the LoRA adapters each live replica holds in a slot now, least recently used first
+            "adapters_by_replica": {snap.replica: list(snap.loras) for snap in live},
             # a sharded model's replicas list their ranks (tensor x pipeline parallel workers)
             "tensor_parallel_size": info.tensor_parallel_size,
             "pipeline_parallel_size": info.pipeline_parallel_size,

@@ -4,16 +4,22 @@ application with one model (unless `separate_ingress`) is one `ModelServer` depl
 its replicas serve HTTP themselves, unless it has several replicas routed by cache
 (`server/router.py`): the ingress then tokenizes and hashes prompts so the router can place them.
 
+LoRA adapters: the application's registry is a detached named actor every HTTP replica reads
+(server/lora_registry.py); a model replica holds adapters as Serve's multiplexed models (at most
+max_loras, least recently used out), and a request for an adapter goes, through
+`handle.options(multiplexed_model_id=...)`, to a replica that holds it where one does.
+
 `build_app(args)` is the application builder for both `attnserve serve` and Ray's own
 `serve run deploy/serve.yaml`.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 import ray
@@ -28,6 +34,7 @@ from server.autoscaling import autoscaling_config, autoscaling_stats
 from server.engine.config import EngineConfig
 from server.engine.executor import placement_strategy, worker_bundles
 from server.http_app import create_app
+from server.lora_registry import AdapterRegistry, RemoteAdapters
 from server.model_client import LocalModelClient, ModelClient
 from server.openai_api import ApiLimits, OpenAIApi
 from server.response_store import ResponseStore, StoreClient, StoreConfig
@@ -40,6 +47,7 @@ from server.wire import (
     EmbedCall,
     Embeddings,
     GenerateCall,
+    LoraRef,
     MetricsSnapshot,
     ModelInfo,
     PromptInfo,
@@ -80,6 +88,14 @@ def metrics_hub(app_name: str, resources: dict[str, float] | None = None):
                               get_if_exists=True, resources=resources or {}).remote()
 
 
+@dataclass(frozen=True)
+class LoraOptions:
+    """What an HTTP replica needs of ServeConfig's LoRA keys."""
+
+    modules: dict[str, str] = field(default_factory=dict)  # name -> path: the one served model's adapters
+    allow_runtime: bool = False  # /v1/load_lora_adapter without an API key
+
+
 ResponseStoreActor = ray.remote(num_cpus=0)(ResponseStore)
 
 
@@ -94,6 +110,52 @@ def response_store(app_name: str, config: StoreConfig, resources: dict[str, floa
     actor = ResponseStoreActor.options(name=store_name(app_name), namespace=HUB_NAMESPACE, lifetime="detached",
                                        get_if_exists=True, resources=resources or {}).remote(config)
     return RayStore(actor)
+
+
+AdapterRegistryActor = ray.remote(num_cpus=0)(AdapterRegistry)
+
+
+def registry_name(app_name: str) -> str:
+    return f"attnserve-lora-{app_name}"
+
+
+def adapter_registry(app_name: str, resources: dict[str, float] | None = None) -> RemoteAdapters:
+    """The application's LoRA adapters, one actor every HTTP replica reads; placed like the metrics hub."""
+    actor = AdapterRegistryActor.options(name=registry_name(app_name), namespace=HUB_NAMESPACE, lifetime="detached",
+                                         get_if_exists=True, resources=resources or {}).remote()
+    return RemoteAdapters(actor)
+
+
+class AdapterLease:
+    """A LoRA adapter a model replica holds, as Serve's model multiplexing sees it. Past max_loras Serve
+    drops the least recently used lease and calls its __del__ (in an executor thread), which unloads the
+    adapter from the engine: its requests in flight finish first, and its slot is then free."""
+
+    def __init__(self, worker: ModelWorker, name: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.worker, self.name, self.loop = worker, name, loop
+        self.released = False
+
+    def __del__(self) -> None:
+        # NOTE: once only: Serve calls it, and garbage collection calls it again later
+        if getattr(self, "released", True):
+            return
+        self.released = True
+        try:
+            done = asyncio.run_coroutine_threadsafe(self.worker.unload_adapter(self.name), self.loop)
+            if not _on_loop(self.loop):  # Serve's executor thread waits; the loop itself must not
+                done.result(timeout=UNLOAD_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a failed unload leaves the engine's own LRU to free the slot
+            logger.exception("unloading LoRA adapter %s failed", self.name)
+
+
+UNLOAD_TIMEOUT_S = 30.0
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 class RayStore(StoreClient):
@@ -146,6 +208,23 @@ class ModelReplica(LocalModelClient):
                                   ray.get_runtime_context().get_node_id())
         self.reporter.push()
         self.reporter.start()
+        self._lease = None
+        self._refs: dict[str, LoraRef] = {}  # an adapter's name -> the ref its latest request carried
+        if engine_config.max_loras:
+            async def load(name: str) -> AdapterLease:
+                """Serve's multiplexed load: the adapter into an engine slot (AdapterError: the request's 4xx)."""
+                await self.worker.load_adapter(self._refs[name])
+                return AdapterLease(self.worker, name, asyncio.get_running_loop())
+            # NOTE: a closure wrapped here, not a decorated method: the decorator's limit is fixed where it
+            # is applied, and ours is the engine's slot count; Serve keeps its LRU on the function object
+            self._lease = serve.multiplexed(max_num_models_per_replica=engine_config.max_loras)(load)
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[PromptInfo | Chunk]:
+        if call.lora is not None and self._lease is not None:
+            self._refs[call.lora.name] = call.lora
+            await self._lease(call.lora.name)  # held by Serve's LRU: the router prefers this replica for it
+        async for item in super().generate(call):
+            yield item
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises (the engine process died)."""
@@ -186,14 +265,18 @@ ModelDeployment = serve.deployment(health_check_period_s=5, health_check_timeout
 
 
 class _ServesApi:
-    """The FastAPI app of a replica that answers HTTP, over its model clients; metrics from the hub."""
+    """The FastAPI app of a replica that answers HTTP, over its model clients; metrics from the hub,
+    LoRA adapters from the application's registry."""
 
     def _serve_api(self, clients: dict, limits: ApiLimits, api_key: str | None,
-                   hub_resources: dict[str, float] | None = None, store: StoreConfig | None = None) -> None:
-        self.api = OpenAIApi(clients, limits)
-        self.api_key = api_key
+                   hub_resources: dict[str, float] | None = None, store: StoreConfig | None = None,
+                   lora: LoraOptions | None = None) -> None:
         app_name = serve.get_replica_context().app_name
         self.hub = metrics_hub(app_name, hub_resources)
+        lora = lora or LoraOptions()
+        self.api = OpenAIApi(clients, limits, adapter_registry(app_name, hub_resources), lora.modules,
+                             lora.allow_runtime, self.snapshots)
+        self.api_key = api_key
         self.responses = response_store(app_name, store or StoreConfig(), hub_resources)
 
     async def snapshots(self) -> list[MetricsSnapshot]:
@@ -210,9 +293,10 @@ class ModelServer(ModelReplica, _ServesApi):
     streamed token than proxy -> ingress -> model replica (a streaming burst 6.3 s -> 5.1 s)."""
 
     def __init__(self, name: str, engine_config: EngineConfig, limits: ApiLimits, api_key: str | None,
-                 hub_resources: dict[str, float] | None = None, store: StoreConfig | None = None) -> None:
+                 hub_resources: dict[str, float] | None = None, store: StoreConfig | None = None,
+                 lora: LoraOptions | None = None) -> None:
         super().__init__(name, engine_config, hub_resources)
-        self._serve_api({name: self}, limits, api_key, hub_resources, store)
+        self._serve_api({name: self}, limits, api_key, hub_resources, store, lora)
 
 
 class RayModelClient(ModelClient):
@@ -237,11 +321,16 @@ class RayModelClient(ModelClient):
             # NOTE: with the call's tools and template arguments: the model replica takes these ids as the prompt
             ids = tuple(encode_prompt(self.tokenizer, self.name, call.prompt, call.messages, tools=call.tools,
                                       template_kwargs=call.chat_template_kwargs))
+        # NOTE: an adapter's blocks are hashed from its salt, as its replica's prefix cache keys them
+        salt = call.lora.salt if call.lora is not None else None
         return replace(call, prompt=None, messages=None, tools=None, chat_template_kwargs=None, prompt_token_ids=ids,
-                       block_hashes=tuple(prompt_block_hashes(ids, self._block_size)))
+                       block_hashes=tuple(prompt_block_hashes(ids, self._block_size, salt=salt)))
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[PromptInfo | Chunk]:
-        response = self.stream_handle.generate.remote(await self._routable(call))
+        # an adapter's request goes to a replica holding it where one does (Serve's model multiplexing)
+        handle = (self.stream_handle if call.lora is None
+                  else self.stream_handle.options(multiplexed_model_id=call.lora.name))
+        response = handle.generate.remote(await self._routable(call))
         try:
             async for item in response:
                 yield item
@@ -284,11 +373,11 @@ class OpenAIIngress(_ServesApi):
 
     def __init__(self, models: dict[str, DeploymentHandle], limits: ApiLimits, api_key: str | None,
                  tokenize: dict[str, str] | None = None, hub_resources: dict[str, float] | None = None,
-                 store: StoreConfig | None = None) -> None:
+                 store: StoreConfig | None = None, lora: LoraOptions | None = None) -> None:
         """`tokenize`: model name -> source, for the models routed by cache (tokenized here)."""
         tokenizers = {name: load_tokenizer(resolve_model(source)) for name, source in (tokenize or {}).items()}
         self._serve_api({name: RayModelClient(h, tokenizers.get(name), name) for name, h in models.items()},
-                        limits, api_key, hub_resources, store)
+                        limits, api_key, hub_resources, store, lora)
 
 
 def _deployment_name(model: str) -> str:
@@ -313,16 +402,19 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
     # a sharded model's replica holds no CPU itself: its workers hold the replica's share
     replica_options = dict(actor_options, num_cpus=0) if cfg.engine.world_size > 1 else actor_options
     models, tokenize = {}, {}
+    lora = LoraOptions(dict(cfg.lora_modules), cfg.allow_runtime_lora)
     for name, source in cfg.models.items():
         scaling = ({"autoscaling_config": autoscaling_config(cfg.autoscaling)} if cfg.autoscaling
                    else {"num_replicas": cfg.replicas(name)})
         options = dict(name=_deployment_name(name), max_ongoing_requests=cfg.max_ongoing_requests,
                        ray_actor_options=replica_options, graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                        **scaling, **worker_placement(cfg.engine_config(source, cpus), actor_options))
-        # routing by cache needs the prompt's tokens before a replica is chosen: an ingress
-        if len(cfg.models) == 1 and not cfg.separate_ingress and not cfg.routes_by_cache(name):
+        # routing by cache needs the prompt's tokens before a replica is chosen, and routing by adapter
+        # the request's `model` (Serve's HTTP proxy reads no body): an ingress
+        by_adapter = cfg.serves_lora and cfg.most_replicas(name) > 1
+        if len(cfg.models) == 1 and not cfg.separate_ingress and not cfg.routes_by_cache(name) and not by_adapter:
             return ModelServer.options(**options).bind(name, cfg.engine_config(source, cpus), cfg.limits, cfg.api_key,
-                                                       cfg.ingress_resources, cfg.responses_store)
+                                                       cfg.ingress_resources, cfg.responses_store, lora)
         if cfg.routes_by_cache(name):
             tokenize[name] = source
             options["request_router_config"] = RequestRouterConfig(
@@ -332,7 +424,7 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
     ingress_options = {"num_cpus": 0, "runtime_env": {"env_vars": env}, "resources": dict(cfg.ingress_resources)}
     return OpenAIIngress.options(ray_actor_options=ingress_options,
                                  graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s).bind(
-        models, cfg.limits, cfg.api_key, tokenize, cfg.ingress_resources, cfg.responses_store)
+        models, cfg.limits, cfg.api_key, tokenize, cfg.ingress_resources, cfg.responses_store, lora)
 
 
 def worker_placement(engine: EngineConfig, actor_options: dict[str, Any]) -> dict[str, Any]:

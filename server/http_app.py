@@ -32,7 +32,9 @@ from server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
     error_body,
 )
 from server.response_store import StoreClient
@@ -238,6 +240,24 @@ def create_app(api: OpenAIApi, api_key: str | None = None,
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
         return JSONResponse(await api.detokenize(body))
+
+    def runtime_lora() -> None:
+        """NOTE: these endpoints read paths on the server: only behind an API key (GuardMiddleware checks
+        it: they are under /v1/), or where the operator allowed them without one."""
+        if not (api_key or api.allow_runtime_lora):
+            raise ApiError(403, "loading LoRA adapters at run time is off: serve with --api-key, or with "
+                           "--allow-runtime-lora on a trusted network", type_="permission_error",
+                           code="runtime_lora_disabled")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> JSONResponse:
+        runtime_lora()
+        return JSONResponse(await api.load_lora_adapter(body))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> JSONResponse:
+        runtime_lora()
+        return JSONResponse(await api.unload_lora_adapter(body))
 
     add_responses_routes(app, api, responses_store)
     add_messages_routes(app, api)

@@ -44,6 +44,10 @@ class ModelClient(ABC):
     @abstractmethod
     async def attention(self, call: AttentionCall) -> AttentionMap: ...
 
+    async def unload_adapter(self, name: str) -> None:
+        """Free a LoRA adapter's slot where this client's requests run (requests in flight on it finish).
+        Here nothing: replicas behind a router drop an unregistered adapter by LRU as others come."""
+
     # ---- chaos testing: refused unless ATTNSERVE_CHAOS=1 where the engine runs --------------------
     @abstractmethod
     async def inject_step_failures(self, count: int) -> None:
@@ -88,6 +92,9 @@ class LocalModelClient(ModelClient):
 
     async def attention(self, call: AttentionCall) -> AttentionMap:
         return await self.worker.attention(call)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.worker.unload_adapter(name)
 
     async def inject_step_failures(self, count: int) -> None:
         check_chaos()

@@ -7,15 +7,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
+from models.lora_format import AdapterError
 from server.api_request import ApiError, ApiLimits, chat_request, sampling_params, structured, template_input
 from server.api_response import ChoiceBuilder, sse, usage, usage_so_far, vllm_prompt_logprobs
 from server.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from server.engine.pooling import serves, truncate
 from server.kv_forms import kv_curve
+from server.lora_registry import Adapters, LocalAdapters, checked_ref
+from server.metrics import fresh
 from server.model_client import ModelClient
 from server.protocol import (
     AttentionRequest,
@@ -23,36 +27,100 @@ from server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
     error_body,
 )
 from server.tools import ToolChoice
-from server.wire import AttentionCall, Chunk, EmbedCall, GenerateCall, ModelInfo, PromptInfo
+from server.wire import AttentionCall, Chunk, EmbedCall, GenerateCall, LoraRef, MetricsSnapshot, ModelInfo, PromptInfo
 
 __all__ = ["ApiError", "ApiLimits", "ModelClient", "OpenAIApi", "SSEStream"]
 
 
 HEALTH_TIMEOUT_S = 2.0
+logger = logging.getLogger(__name__)
 
 
 class OpenAIApi:
-    def __init__(self, clients: dict[str, ModelClient], limits: ApiLimits | None = None) -> None:
+    """`adapters`: the application's LoRA registry (server/lora_registry.py); `lora_modules`: adapters
+    (name -> path) of the only served model, registered on first use; `allow_runtime_lora`: POST
+    /v1/load_lora_adapter without an API key (http_app refuses it otherwise); `snapshots`: every
+    replica's metrics, for which replicas hold which adapters."""
+
+    def __init__(self, clients: dict[str, ModelClient], limits: ApiLimits | None = None,
+                 adapters: Adapters | None = None, lora_modules: dict[str, str] | None = None,
+                 allow_runtime_lora: bool = False,
+                 snapshots: Callable[[], Awaitable[list[MetricsSnapshot]]] | None = None) -> None:
         self.clients = clients
         self.limits = limits or ApiLimits()
+        self.adapters = adapters or LocalAdapters()
+        self.lora_modules = dict(lora_modules or {})
+        self.allow_runtime_lora = allow_runtime_lora
+        self.snapshots = snapshots
+        self._registration: asyncio.Future | None = None  # registering lora_modules, or done
+        self._module_errors: dict[str, str] = {}  # a --lora-modules adapter that could not be served -> why
         self._infos: dict[str, ModelInfo] = {}
         self.num_streams = 0
 
     # ---- helpers ---------------------------------------------------------------------------
+    def _not_found(self, name: str) -> ApiError:
+        why = f" (its --lora-modules entry failed: {self._module_errors[name]})" if name in self._module_errors else ""
+        return ApiError(404, f"The model `{name}` does not exist{why}. Available: {', '.join(self.clients)}",
+                        param="model", code="model_not_found")
+
     def _client(self, name: str) -> ModelClient:
+        """A served base model's client (not an adapter's)."""
         if name not in self.clients:
-            raise ApiError(404, f"The model `{name}` does not exist. Available: {', '.join(self.clients)}",
-                           param="model", code="model_not_found")
+            raise self._not_found(name)
         return self.clients[name]
+
+    async def _target(self, name: str) -> tuple[str, ModelClient, LoraRef | None]:
+        """What a request's `model` names: a base model, or a LoRA adapter on its parent."""
+        if name in self.clients:
+            return name, self.clients[name], None
+        await self._register_modules()
+        ref = await self.adapters.get(name)
+        if ref is None or ref.parent not in self.clients:
+            raise self._not_found(name)
+        return ref.parent, self.clients[ref.parent], ref
+
+    async def _base_only(self, name: str, what: str) -> ModelClient:
+        """A base model's client; an adapter's name is a 400 for endpoints adapters do not change."""
+        parent, client, ref = await self._target(name)
+        if ref is not None:
+            raise ApiError(400, f"{name!r} is a LoRA adapter of {parent!r}: {what} serves base models only; "
+                           f"use model {parent!r}", param="model")
+        return client
 
     async def _info(self, name: str) -> ModelInfo:
         if name not in self._infos:
             self._infos[name] = await self._client(name).info()
         return self._infos[name]
+
+    async def _register_modules(self) -> None:
+        """--lora-modules, checked against the served model on first use, once for all requests that
+        wait on it (NOTE: every ingress replica registers them; a name another replica registered
+        already is the same adapter). A failure to reach the model is retried by the next request."""
+        if not self.lora_modules:
+            return
+        if self._registration is None:
+            self._registration = asyncio.ensure_future(self._register(next(iter(self.clients))))
+        try:
+            await asyncio.shield(self._registration)
+        except Exception as e:  # noqa: BLE001 - e.g. no replica of the model up yet
+            self._registration = None
+            raise _as_api_error(e) from None
+
+    async def _register(self, parent: str) -> None:
+        for name, path in self.lora_modules.items():
+            try:
+                ref = checked_ref(name, parent, path, await self._info(parent))
+            except AdapterError as e:
+                logger.error("LoRA adapter %s (%s) cannot be served: %s", name, path, e)
+                self._module_errors[name] = str(e)
+                continue
+            await self.adapters.add(ref)
 
     async def _start(self, client: ModelClient, calls: list[GenerateCall]) -> list[tuple[AsyncIterator, PromptInfo]]:
         """Open every stream and read its PromptInfo, so bad input fails before any byte is sent."""
@@ -143,7 +211,64 @@ class OpenAIApi:
                          "tensor_parallel_size": info.tensor_parallel_size,
                          "pipeline_parallel_size": info.pipeline_parallel_size,
                          "workers": [dataclasses.asdict(w) for w in info.workers]})
+        await self._register_modules()
+        adapters = await self.adapters.all()
+        holders = await self._adapter_replicas() if adapters else {}
+        for name, ref in sorted(adapters.items()):
+            # as vLLM lists an adapter (root: its path, parent: the base), and where it is loaded now
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "attnserve", "root": ref.path,
+                         "parent": ref.parent, "max_model_len": (await self._info(ref.parent)).max_model_len,
+                         "lora": {"replicas": holders.get((ref.parent, name), [])}})
         return {"object": "list", "data": data}
+
+    async def _adapter_replicas(self) -> dict[tuple[str, str], list[str]]:
+        """(model, adapter) -> the replicas that hold the adapter now, from their metrics reports."""
+        if self.snapshots is None:
+            return {}
+        held: dict[tuple[str, str], list[str]] = {}
+        for s in fresh(await self.snapshots(), time.time()):
+            for name in s.loras:
+                held.setdefault((s.model, name), []).append(s.replica)
+        return {k: sorted(v) for k, v in held.items()}
+
+    async def load_lora_adapter(self, body: LoadLoraAdapterRequest) -> dict[str, Any]:
+        """vLLM's POST /v1/load_lora_adapter: the adapter is checked against its base here, then
+        registered; replicas load it on its first request. A name in use is a 400, as in vLLM."""
+        await self._register_modules()
+        base = body.base_model
+        if base is None:
+            if len(self.clients) != 1:
+                raise ApiError(400, f"several models are served ({', '.join(self.clients)}): name one in base_model",
+                               param="base_model")
+            base = next(iter(self.clients))
+        if base not in self.clients:
+            raise ApiError(404, f"base_model {base!r} is not served", param="base_model", code="model_not_found")
+        if body.lora_name in self.clients or await self.adapters.get(body.lora_name) is not None:
+            raise ApiError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name")
+        try:
+            ref = checked_ref(body.lora_name, base, body.lora_path, await self._info(base))
+        except AdapterError as e:
+            raise _as_api_error(e) from None
+        if not await self.adapters.add(ref):  # NOTE: another replica took the name meanwhile
+            raise ApiError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name")
+        self._module_errors.pop(body.lora_name, None)
+        return {"object": "lora_adapter", "id": ref.name, "parent": base, "root": ref.path, "status": "loaded",
+                "message": f"Success: LoRA adapter '{ref.name}' added successfully."}
+
+    async def unload_lora_adapter(self, body: UnloadLoraAdapterRequest) -> dict[str, Any]:
+        """vLLM's POST /v1/unload_lora_adapter: new requests naming it get 404 from now on; those in
+        flight finish. An unknown name is a 404."""
+        await self._register_modules()
+        ref = await self.adapters.remove(body.lora_name)
+        if ref is None:
+            raise ApiError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
+                           code="model_not_found")
+        try:
+            await self.clients[ref.parent].unload_adapter(ref.name)
+        except Exception:  # noqa: BLE001 - the registry decides; a replica drops it later anyway (LRU)
+            logger.exception("unloading LoRA adapter %s from its replica failed", ref.name)
+        return {"object": "lora_adapter", "id": ref.name, "status": "unloaded",
+                "message": f"Success: LoRA adapter '{ref.name}' removed successfully."}
 
     async def health(self) -> dict[str, bool]:
         async def one(client: ModelClient) -> bool:
@@ -157,7 +282,8 @@ class OpenAIApi:
         return dict(zip(self.clients, results))
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
-        client, info = self._client(body.model), await self._info(body.model)
+        parent, client, _ = await self._target(body.model)  # an adapter tokenizes as its base
+        info = await self._info(parent)
         messages = list(template_input(body.messages)) if body.messages else None
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
@@ -168,7 +294,7 @@ class OpenAIApi:
 
     async def attention(self, body: AttentionRequest) -> dict[str, Any]:
         """Attention weights (heads x query x key) per layer, from the reference formula."""
-        client = self._client(body.model)
+        client = await self._base_only(body.model, "/v1/attention")
         prompt = body.prompt if isinstance(body.prompt, str) else None
         ids = tuple(body.prompt) if isinstance(body.prompt, list) else None
         messages = template_input(body.messages) if body.messages else None
@@ -188,7 +314,7 @@ class OpenAIApi:
     async def embeddings(self, body: EmbeddingRequest) -> dict[str, Any]:
         """Each input's embedding (the model's pooling of its final hidden states), in input order; `usage`
         counts the inputs' tokens. A model whose task has embed only: a generate-only one is a 400."""
-        client = self._client(body.model)
+        client = await self._base_only(body.model, "/v1/embeddings")
         try:
             info = await self._info(body.model)
         except BaseException as e:
@@ -219,14 +345,14 @@ class OpenAIApi:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
-        client = self._client(body.model)
+        _, client, _ = await self._target(body.model)
         try:
             return {"prompt": await client.decode(body.tokens)}
         except BaseException as e:
             raise _as_api_error(e) from None
 
     async def completions(self, body: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
-        client = self._client(body.model)
+        parent, client, lora = await self._target(body.model)
         prompts = body.prompts()
         if len(prompts) > self.limits.max_prompts:
             raise ApiError(400, f"at most {self.limits.max_prompts} prompts per request", param="prompt")
@@ -240,28 +366,32 @@ class OpenAIApi:
         # NOTE: a text prompt is echoed as given; token ids as the replica decodes them
         calls = [GenerateCall(params, prompt=p if isinstance(p, str) else None,
                               prompt_token_ids=tuple(p) if isinstance(p, list) else None, request_id=f"{rid}-{i}",
-                              stream=body.stream, echo=body.echo and not isinstance(p, str))
+                              stream=body.stream, echo=body.echo and not isinstance(p, str), lora=lora)
                  for i, p in enumerate(prompts)]
         echoes = [p if isinstance(p, str) else None for p in prompts] if body.echo else None
-        return await self._run(client, calls, body, rid, "text_completion", chat=False, echoes=echoes)
+        return await self._run(client, parent, calls, body, rid, "text_completion", chat=False, echoes=echoes)
 
     async def chat(self, body: ChatCompletionRequest, raw: bool = False) -> dict[str, Any] | AsyncIterator:
         """`raw`: a streamed answer's events as dicts (the chunk objects, an `{"error": ...}` body),
         without SSE framing or `[DONE]`: the other APIs (Responses, Messages) translate them."""
-        client = self._client(body.model)
+        parent, client, lora = await self._target(body.model)
         req = chat_request(body, self.limits)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         # NOTE: a tool parser that may end the answer early reads it as it comes, also for a whole answer
         stream = body.stream or (req.parsing is not None and req.parsing.stops_early)
         call = GenerateCall(req.params, messages=req.messages, request_id=f"{rid}-0", fit_max_tokens=req.fit_max_tokens,
-                            stream=stream, tools=req.tools, chat_template_kwargs=req.template_kwargs, chat=True)
-        return await self._run(client, [call], body, rid, "chat.completion", chat=True, tools=req.parsing, raw=raw)
+                            stream=stream, tools=req.tools, chat_template_kwargs=req.template_kwargs, chat=True,
+                            lora=lora)
+        return await self._run(client, parent, [call], body, rid, "chat.completion", chat=True, tools=req.parsing,
+                               raw=raw)
 
-    async def _run(self, client, calls, body, rid: str, obj: str, chat: bool, tools: ToolChoice | None = None,
-                   raw: bool = False, echoes: list[str | None] | None = None) -> dict[str, Any] | AsyncIterator:
-        """`echoes`: completions' echo, per prompt its text (None: the replica's decoding of its token ids)."""
+    async def _run(self, client, parent: str, calls, body, rid: str, obj: str, chat: bool,
+                   tools: ToolChoice | None = None, raw: bool = False,
+                   echoes: list[str | None] | None = None) -> dict[str, Any] | AsyncIterator:
+        """`parent`: the served model `client` runs (an adapter's base). `echoes`: completions' echo, per
+        prompt its text (None: the replica's decoding of its token ids)."""
         try:
-            speculative = (await self._info(body.model)).speculative is not None  # usage then counts drafts
+            speculative = (await self._info(parent)).speculative is not None  # usage then counts drafts
         except BaseException as e:
             raise _as_api_error(e) from None
         self._admit_stream()
@@ -382,6 +512,8 @@ def _as_api_error(e: BaseException) -> BaseException:
         e = cause
     if isinstance(e, InvalidRequestError):
         return ApiError(400, str(e), param=getattr(e, "param", None))
+    if isinstance(e, AdapterError):  # a LoRA adapter that cannot be served: 400, or 404 for one gone
+        return ApiError(e.status, str(e), param=e.param, code="model_not_found" if e.status == 404 else None)
     if isinstance(e, QueueFullError):
         return ApiError(429, str(e), type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
     if isinstance(e, asyncio.CancelledError):

@@ -10,6 +10,7 @@ from server.kv_forms import KV_CURVE_LENGTHS
 from server.metrics import (
     COUNTERS,
     HISTOGRAMS,
+    LORA_COUNTERS,
     MODEL_LABELS,
     PREFIX,
     SPEC_COUNTERS,
@@ -53,6 +54,8 @@ def _gauge_families() -> dict[str, GaugeMetricFamily]:
         # per replica, not summed: what one engine's weights take as served, next to its KV pool
         "weight_bytes": gauge("model_weight_bytes", "Bytes one replica's weights take as served (quantization: "
                               "their format)", "quantization"),
+        "lora_resident": gauge("lora_adapter_replicas", "Live replicas holding the LoRA adapter in a slot now",
+                               "adapter"),
     }
 
 
@@ -70,6 +73,7 @@ def _counter_families() -> dict[str, CounterMetricFamily]:
                                            "(--scheduling-policy priority; fcfs: all 0)", "priority"),
         **{name: counter(f"spec_decode_{name}", help_) for name, help_ in SPEC_COUNTERS.items()},
         **{name: counter(f"spec_decode_{name}", help_, "position") for name, help_ in SPEC_POS_COUNTERS.items()},
+        **{name: counter(name, help_, "adapter") for name, help_ in LORA_COUNTERS.items()},
     }
 
 
@@ -93,12 +97,18 @@ def _add_gauges(g: dict[str, GaugeMetricFamily], lv: list[str], snaps: list[Metr
     g["replicas"].add_metric(lv, len(live))
     g["memory"].add_metric(lv, gs("resident_memory_bytes"))
     g["weight_bytes"].add_metric(lv + [info.quantization], info.weight_bytes)
+    held: dict[str, int] = {}
+    for s in live:
+        for name in s.loras:
+            held[name] = held.get(name, 0) + 1
+    for name, n in sorted(held.items()):
+        g["lora_resident"].add_metric(lv + [name], n)
 
 
 def _add_counters(c: dict[str, CounterMetricFamily], lv: list[str], snaps: list[MetricsSnapshot]) -> None:
-    for name in COUNTERS:
-        c[name].add_metric(lv, sum(s.counters[name] for s in snaps))
-    for field in ("finish_reasons", "errors", "structured", "preemptions_by_priority"):
+    for name in COUNTERS:  # NOTE: a snapshot from an older replica may lack a newer counter: it counts 0
+        c[name].add_metric(lv, sum(s.counters.get(name, 0) for s in snaps))
+    for field in ("finish_reasons", "errors", "structured", "preemptions_by_priority", *LORA_COUNTERS):
         merged: dict[str, int] = {}
         for s in snaps:
             for k, v in getattr(s, field).items():

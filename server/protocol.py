@@ -277,6 +277,20 @@ class EmbeddingRequest(_Body):
         return list(v)
 
 
+class LoadLoraAdapterRequest(_Body):
+    """vLLM's POST /v1/load_lora_adapter body; `base_model`: the served model it adapts (default: the only one)."""
+
+    lora_name: StrictStr = Field(min_length=1)
+    lora_path: StrictStr = Field(min_length=1)
+    base_model: StrictStr | None = None
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """vLLM's POST /v1/unload_lora_adapter body."""
+
+    lora_name: StrictStr = Field(min_length=1)
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

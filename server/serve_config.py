@@ -11,6 +11,7 @@ from server.openai_api import ApiLimits
 from server.response_store import StoreConfig
 
 ROUTERS = ("cache", "pow2")
+DEFAULT_MAX_LORAS = 4  # slots per replica when adapters are served and engine.max_loras is not set
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -44,6 +45,12 @@ class ServeConfig:
     # goes first), and for how long; one store per application, every replica reads it
     responses_store_size: int = StoreConfig.max_responses
     responses_store_ttl_s: float = StoreConfig.ttl_s
+    # LoRA adapters of the (one) served model: name -> directory (adapter_config.json +
+    # adapter_model.safetensors) on the replicas; requests name one in `model`. Without engine.max_loras
+    # the replicas get DEFAULT_MAX_LORAS slots
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter without an API key (they read server paths)
+    allow_runtime_lora: bool = False
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -66,6 +73,17 @@ class ServeConfig:
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}")
         if self.autoscaling is not None and not {"min_replicas", "max_replicas"} <= set(self.autoscaling):
             raise ValueError("autoscaling needs min_replicas and max_replicas")
+        for name, path in self.lora_modules.items():
+            if not _NAME.match(name) or name in self.models:
+                raise ValueError(f"invalid LoRA adapter name {name!r}: letters, digits, '.', '_' and '-' only, and "
+                                 "not a served model's name")
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"LoRA adapter {name!r} needs a path")
+        if self.lora_modules and len(self.models) > 1:
+            raise ValueError("lora_modules adapt the one served model; with several, load adapters with "
+                             "POST /v1/load_lora_adapter and its base_model")
+        if self.lora_modules and not self.engine.max_loras:
+            object.__setattr__(self, "engine", replace(self.engine, max_loras=DEFAULT_MAX_LORAS))
         self.engine_config("default")  # validates the engine fields now
         self.responses_store  # noqa: B018 - validates the store's size and TTL now
         if self.api_key is None and os.environ.get("ATTNSERVE_API_KEY"):
@@ -108,6 +126,11 @@ class ServeConfig:
     def most_replicas(self, model: str) -> int:
         """Replicas a model may grow to."""
         return int(self.autoscaling["max_replicas"]) if self.autoscaling else self.replicas(model)
+
+    @property
+    def serves_lora(self) -> bool:
+        """The replicas have LoRA slots: requests may name adapters."""
+        return self.engine.max_loras > 0
 
     def routes_by_cache(self, model: str) -> bool:
         """Cache-aware routing applies: the router is "cache" and the model may have several replicas."""

@@ -135,4 +135,21 @@ def vllm_families(snapshots: list[MetricsSnapshot], now: float) -> Iterator[Metr
     yield from gauges.values()
     yield from counters.values()
     yield success
+    yield from lora_requests_info(fresh(snapshots, now))
     yield from hists.values()
+
+
+def lora_requests_info(live: list[MetricsSnapshot]) -> Iterator[Metric]:
+    """vLLM's info gauge, unlabelled by model as vLLM's is (one series for the server): the adapters of
+    running and waiting requests in its labels (comma-joined), its value the report's time. Only with
+    LoRA slots (--max-loras)."""
+    with_lora = [s for s in live if s.info.lora is not None]
+    if not with_lora:
+        return
+    family = GaugeMetricFamily(f"{PREFIX}:lora_requests_info", "Running stats on lora requests.",
+                               labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+    running = sorted({a for s in with_lora for a in s.running_loras})
+    waiting = sorted({a for s in with_lora for a in s.waiting_loras})
+    family.add_metric([str(max(s.info.lora.max_loras for s in with_lora)), ",".join(waiting), ",".join(running)],
+                      max(s.time for s in with_lora))
+    yield family

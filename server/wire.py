@@ -177,7 +177,8 @@ class EngineStats:
     resident_memory_bytes: int  # the engine process's own
     preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # the preempted request's priority -> count
     num_lora_loads: int = 0  # LoRA adapters installed into a slot, and evicted from one, since start
-    num_lora_evictions: int = 0
+    num_lora_evictions: int = 0  # NOTE: for room or on unload: every adapter gone from a slot
+    lora_load_seconds: float = 0.0  # the loads' time (reading, checking, installing), in total
     resident_loras: tuple[str, ...] = ()  # adapters in a slot now, least recently used first
     running_loras: tuple[str, ...] = ()  # adapters of running requests, and of waiting ones (vLLM's lora_requests_info)
     waiting_loras: tuple[str, ...] = ()
@@ -298,6 +299,8 @@ class MetricsSnapshot:
     lora_prompt_tokens: dict[str, int] = field(default_factory=dict)
     lora_generation_tokens: dict[str, int] = field(default_factory=dict)
     loras: tuple[str, ...] = ()  # the adapters resident on the replica now
+    running_loras: tuple[str, ...] = ()  # adapters of its running requests, and of its waiting ones (EngineStats)
+    waiting_loras: tuple[str, ...] = ()
     replica: str = "?"  # Ray's replica and node ids, set by the reporter
     node: str = "local"
 

@@ -5,10 +5,12 @@ No Ray here: the Serve deployment wraps a ModelWorker, and unit tests can use on
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 from typing import Any, AsyncIterator, Iterator, Sequence
 
+from models.lora_format import AdapterError
 from models.registry import resolve_model
 from models.tokenizer import load_tokenizer
 from server.engine.admission import check_token_ids, validate_embedding, validate_request
@@ -30,6 +32,7 @@ from server.wire import (
     Embeddings,
     GenerateCall,
     LogprobEntry,
+    LoraRef,
     MetricsSnapshot,
     ModelInfo,
     PromptInfo,
@@ -107,6 +110,10 @@ class ModelWorker:
         self.reasoning_budget = None if config.reasoning_budget < 0 else config.reasoning_budget
         self.info: ModelInfo = replace(self.engine.info, reasoning_parser=self.reasoning_parser)
         self.metrics = MetricsRecorder(name, self.info)
+        # the LoRA adapters this worker loaded, least recently used first: the engine's own LRU as
+        # this worker drives it (the engine evicts by itself when a load needs a slot)
+        self.adapters: OrderedDict[str, LoraRef] = OrderedDict()
+        self._loading: dict[str, asyncio.Future] = {}
 
     def _account(self, step: StepOutputs) -> None:
         if self.metrics is not None:
@@ -133,6 +140,36 @@ class ModelWorker:
     def stats(self) -> dict[str, int]:
         """The engine's latest stats value, as sent with its last outputs."""
         return {k: v for k, v in asdict(self.engine.stats).items() if k != "time"}
+
+    async def load_adapter(self, ref: LoraRef) -> None:
+        """Make a LoRA adapter resident on the engine now (its least recently used one may go), its
+        load time recorded; AdapterError (a 4xx) when the engine cannot serve it."""
+        if self.info.lora is None:
+            raise AdapterError(f"model {self.name!r} has no LoRA slots: serve it with --max-loras N", 400, "model")
+        answer = await self.engine.load_lora(ref)
+        if answer.error is not None:
+            raise AdapterError(answer.error, answer.status, "model")
+        self.metrics.on_lora_load(answer.seconds)
+        self.adapters[ref.name] = ref
+        self.adapters.move_to_end(ref.name)
+        while len(self.adapters) > self.info.lora.max_loras:
+            self.adapters.popitem(last=False)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Free an adapter's slot once its requests in flight finish (the engine drains it)."""
+        self.adapters.pop(name, None)
+        await self.engine.unload_lora(name)
+
+    async def _use_adapter(self, ref: LoraRef) -> None:
+        """Before a request on `ref`: load it unless this worker holds it (one load for concurrent requests)."""
+        if self.adapters.get(ref.name) == ref:
+            self.adapters.move_to_end(ref.name)
+            return
+        load = self._loading.get(ref.name)
+        if load is None:
+            load = self._loading[ref.name] = asyncio.ensure_future(self.load_adapter(ref))
+            load.add_done_callback(lambda _: self._loading.pop(ref.name, None))
+        await asyncio.shield(load)  # NOTE: a request that goes away leaves the load to finish for the others
 
     def encode(self, prompt: str | None = None, messages: Sequence[dict] | None = None,
                add_special_tokens: bool = True, tools: Sequence[dict] | None = None,
@@ -169,6 +206,9 @@ class ModelWorker:
             self.metrics.on_error("invalid_request")
             raise InvalidRequestError(f"model {self.name!r} serves embeddings (task embed), not text generation: "
                                       "use /v1/embeddings", "model")
+        if call.lora is not None:
+            with self._counting_refusals():
+                await self._use_adapter(call.lora)
         if call.prompt_token_ids is not None:
             ids = list(call.prompt_token_ids)
         else:
@@ -184,7 +224,8 @@ class ModelWorker:
             validate_request(self.info, ids, params)  # NOTE: the one validation of a request
             if params.structured is not None:  # off the event loop: a large schema takes a while
                 await asyncio.to_thread(check_grammar, params.structured)
-            stream = self.engine.generate(ids, params, call.request_id, coalesce=True, final_only=not call.stream)
+            stream = self.engine.generate(ids, params, call.request_id, coalesce=True, final_only=not call.stream,
+                                          lora=call.lora)
         yield PromptInfo(len(ids), start, self.tokenizer.decode(ids) if call.echo else None)
         # a non-streaming caller gets each sample once, whole (final_only): one message per
         # sample from the engine and to the ingress, not one per token
@@ -199,7 +240,7 @@ class ModelWorker:
         """A request refused before it reaches the engine counts in the error metrics, by why."""
         try:
             yield
-        except InvalidRequestError:
+        except (InvalidRequestError, AdapterError):
             self.metrics.on_error("invalid_request")
             raise
         except QueueFullError:

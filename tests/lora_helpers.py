@@ -16,9 +16,9 @@ ADAPTERS = {
 }
 
 
-def make_adapter(base: Path, out: Path, seed: int = 0, **config) -> Path:
+def make_adapter(base: Path, out: Path, seed: int = 0, b_std: float = 0.5, **config) -> Path:
     """A PEFT LoRA adapter of the HF checkpoint `base` with random (non-zero) A and B, saved as
-    safetensors to `out`. B is scaled up from PEFT's random init so that greedy tokens change."""
+    safetensors to `out`. B ~ N(0, b_std): larger than PEFT's random init, so that greedy tokens change."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -28,7 +28,7 @@ def make_adapter(base: Path, out: Path, seed: int = 0, **config) -> Path:
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if "lora_B" in name:
-                p.normal_(0.0, 0.5)
+                p.normal_(0.0, b_std)
     peft.save_pretrained(str(out), safe_serialization=True)
     return out
 

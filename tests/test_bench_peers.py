@@ -1,4 +1,4 @@
-"""The embeddings and prompt-logprobs benchmarks against vLLM run end to end on a tiny model (vLLM, in its own venv, is
+"""The embeddings, prompt-logprobs and LoRA benchmarks against vLLM run end to end on a tiny model (vLLM, in its own venv, is
 skipped and says so where the venv is missing, as in every test), and the one runner of vLLM's side
 keeps figures a script wrote before its process died, and only those."""
 import json
@@ -10,6 +10,7 @@ from argparse import Namespace
 
 from loadtests.bench_embeddings import main as bench_embeddings
 from loadtests.bench_engine import run_vllm
+from loadtests.bench_lora import main as bench_lora
 from loadtests.bench_prompt_logprobs import main as bench_prompt_logprobs
 
 
@@ -39,6 +40,21 @@ def test_bench_prompt_logprobs_quick_run(tiny_checkpoints, tmp_path, capsys):
     assert len(ours["prompt_logprobs"]) == 39 and all(lp <= 0 for lp in ours["prompt_logprobs"])
     table = capsys.readouterr().out
     assert "| no prompt logprobs |" in table and "| prompt_logprobs=5 |" in table and "largest overhead" in table
+
+
+def test_bench_lora_quick_run(tiny_checkpoints, tmp_path, capsys):
+    out = tmp_path / "lora.json"
+    bench_lora(["--model", str(tiny_checkpoints["llama"]), "--dtype", "float32", "--requests", "4", "--adapters", "2",
+                "--rank", "8", "--min-prompt", "8", "--max-prompt", "16", "--max-tokens", "4", "--repeats", "2",
+                "--threads", "1", "--peers-venv", str(tmp_path / "no-venv"), "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert "make peers" in data["vllm"]["skipped"]
+    ours, base = data["attnserve"], data["attnserve_base"]
+    for r in (ours, base):
+        assert len(r["runs"]) == 2 and min(r["runs"]) > 0 and r["tokens_per_s"] == statistics.median(r["runs"])
+    assert ours["lora_loads"] == 2 and len(ours["load_ms"]) == 2 and min(ours["load_ms"]) > 0
+    table = capsys.readouterr().out
+    assert "| attnserve_base |" in table and "attnserve with LoRA / attnserve_base" in table and "adapter load" in table
 
 
 FAKE_PYTHON = """#!/bin/sh

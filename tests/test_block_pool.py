@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.block_pool import Block, BlockPool, FreeBlockQueue, hash_block_tokens
-from kvcache.manager import KVCacheManager
+from kvcache.manager import KVCacheManager, prompt_block_hashes
 
 
 def check_invariants(kv: KVCacheManager) -> None:
@@ -98,6 +98,33 @@ def test_chained_hash_depends_on_prefix():
     a = hash_block_tokens(None, [1, 2])
     assert hash_block_tokens(a, [3, 4]) != hash_block_tokens(hash_block_tokens(None, [9, 9]), [3, 4])
     assert hash_block_tokens(a, [3, 4]) == hash_block_tokens(hash_block_tokens(None, [1, 2]), [3, 4])
+
+
+def test_salted_hashes_root_the_chain():
+    """A LoRA adapter's salt keys every block of a prompt; None is exactly the unsalted chain."""
+    prompt = list(range(13))  # 3 full blocks of 4 a lookup checks
+    plain = prompt_block_hashes(prompt, 4)
+    assert prompt_block_hashes(prompt, 4, salt=None) == plain
+    assert plain[0] == hash_block_tokens(None, prompt[:4]) and plain[1] == hash_block_tokens(plain[0], prompt[4:8])
+    one, two = prompt_block_hashes(prompt, 4, salt=b"a" * 16), prompt_block_hashes(prompt, 4, salt=b"b" * 16)
+    assert len(one) == len(two) == 3
+    assert not set(one) & set(plain) and not set(one) & set(two)  # every block differs, not only the first
+    assert one == prompt_block_hashes(prompt, 4, salt=b"a" * 16)
+
+
+def test_same_prompt_under_two_salts_shares_no_block():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(9))
+    for rid, salt in (("base", None), ("a", b"a" * 16), ("b", b"b" * 16)):
+        assert kv.find_prefix(rid, prompt, salt).num_tokens == 0  # nobody's blocks serve another salt
+        kv.allocate_slots(rid, len(prompt))
+        kv.cache_full_blocks(rid, prompt, len(prompt), salt)
+    assert len(kv.pool.cached) == 6  # each salt's 2 full blocks
+    for salt, owner in ((None, "base"), (b"a" * 16, "a"), (b"b" * 16, "b")):
+        hit = kv.find_prefix(f"again-{owner}", prompt, salt)
+        assert hit.num_tokens == 8 and [b.block_id for b in hit.blocks[0]] == kv.block_ids(owner)[:2]
+    assert kv._hashes("base", prompt, 2) == prompt_block_hashes(prompt, 4)  # the router's view of base traffic
+    check_invariants(kv)
 
 
 ops = st.lists(st.tuples(st.sampled_from(["alloc", "grow", "free", "cache"]), st.integers(0, 5), st.integers(1, 40)),

@@ -79,3 +79,26 @@ def test_gpu_rayservice_differs_only_by_gpus_and_block_size():
     assert app == expected
     (workers,) = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_serve_yaml_documents_the_lora_keys():
+    """The commented LoRA keys of serve.yaml, uncommented, are a valid config: adapters and their slots."""
+    (app,) = serve_yaml()["applications"]
+    documented = {}
+    for line in (DEPLOY / "serve.yaml").read_text().splitlines():
+        key = line.strip().removeprefix("# ").split(":")[0]
+        if key in ("max_loras", "max_lora_rank", "lora_modules", "allow_runtime_lora"):
+            documented.update(yaml.safe_load(line.strip().removeprefix("# ")))
+    engine = {k: documented.pop(k) for k in ("max_loras", "max_lora_rank")}
+    cfg = ServeConfig.from_args({**app["args"], **documented, "engine": {**app["args"]["engine"], **engine}})
+    assert cfg.lora_modules == {"support-bot": "/adapters/support-bot", "sql-writer": "/adapters/sql-writer"}
+    assert (cfg.engine.max_loras, cfg.engine.max_lora_rank, cfg.allow_runtime_lora) == (4, 16, False)
+    implied = ServeConfig.from_args({**app["args"], "lora_modules": cfg.lora_modules})
+    assert implied.engine.max_loras == 4 and implied.serves_lora  # adapters without max_loras: 4 slots
+    assert not ServeConfig.from_args(app["args"]).serves_lora
+    with pytest.raises(ValueError, match="not a served model's name"):
+        ServeConfig.from_args({**app["args"], "lora_modules": {"default": "/a"}})
+    with pytest.raises(ValueError, match="invalid LoRA adapter name"):
+        ServeConfig.from_args({**app["args"], "lora_modules": {"no spaces": "/a"}})
+    with pytest.raises(ValueError, match="adapt the one served model"):
+        ServeConfig.from_args({"models": {"a": "x", "b": "y"}, "lora_modules": {"l": "/a"}})

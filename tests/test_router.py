@@ -92,3 +92,21 @@ def test_blocks_just_routed_count_until_summaries_catch_up():
     assert with_routed(keys(1), routed, now=100.0 + ROUTED_TTL_S) == keys(1)  # expired: the summary alone
     loads = [ReplicaLoad("a", 1, cached=with_routed(frozenset(), routed, 101.0)), ReplicaLoad("b", 0)]
     assert pick_replica(loads, HASHES) == "a"  # a second request of a new prefix follows the first
+
+
+def test_an_adapter_goes_where_it_is_held_then_where_fewest_are():
+    a = ReplicaLoad("a", 3, adapters=frozenset({"x"}))
+    b = ReplicaLoad("b", 0, adapters=frozenset({"y", "z"}))
+    c = ReplicaLoad("c", 1, adapters=frozenset({"y"}))
+    assert pick_replica([a, b, c], (), adapter="x") == "a"  # held: no block hashes needed
+    assert pick_replica([a, b, c], (), adapter="w") == "c"  # held nowhere: c and a hold fewest, c is calmer
+    assert pick_replica([a, b, c], ()) is None  # neither hashes nor adapter: pow2
+
+
+def test_adapter_affinity_comes_before_the_cache_and_yields_to_load():
+    cached_elsewhere = ReplicaLoad("a", 0, cached=keys(4), adapters=frozenset({"y"}))
+    holder = ReplicaLoad("b", 0, cached=keys(1), adapters=frozenset({"x"}))
+    other_holder = ReplicaLoad("c", 0, adapters=frozenset({"x"}))
+    assert pick_replica([cached_elsewhere, holder, other_holder], HASHES, adapter="x") == "b"  # cache among holders
+    busy_holder = ReplicaLoad("b", 20, adapters=frozenset({"x"}))
+    assert pick_replica([cached_elsewhere, busy_holder], HASHES, imbalance=8, adapter="x") == "a"

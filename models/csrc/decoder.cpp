@@ -6,6 +6,9 @@
 // Python wrapper each one costs microseconds of Python, guards and dispatch: perf on the engine
 // (AVX2, 2 threads) put ~40% of the main thread there, while the second thread sat idle.
 //
+// LoRA (models/lora.py): after each of a layer's four linears, the rows of a step that have an adapter
+// get its delta from the same op the Python model calls, attnserve::lora_add_ (models/csrc/lora.cpp).
+//
 // Rounding follows the Python model's ops (models/layers.py, models/rope.py) op by op, so a bf16
 // model rounds where eager bf16 rounds: normalised in fp32 then cast, scaled in the model's dtype;
 // RoPE's two products and their sum each rounded; SiLU rounded before the product with `up`.
@@ -41,6 +44,18 @@ struct Layer {
   Linear qkv, o, gate_up, down;
 };
 
+// One (layer, module)'s LoRA slots (models/lora.py LoraSlots), held by reference: installing an adapter
+// writes into them between steps
+struct LoraModule {
+  at::Tensor a, bt, ranks;  // (S, P R, in), (S, R, out), (S, P) int64
+  std::vector<int64_t> splits;  // the output width of each of the P pieces
+};
+
+// One step's rows that have an adapter, grouped by slot (models/lora.py LoraMetadata)
+struct LoraRows {
+  const at::Tensor &rows, &seg_start, &seg_slot;
+};
+
 using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, int64_t, int64_t, c10::SymInt);
 
@@ -56,6 +71,17 @@ at::Tensor quant_linear(const at::Tensor& x, const Linear& w) {
   }
   static const auto exact = linear_op("attnserve::quant_linear");
   return exact.call(x, w.codes, w.scales, w.offsets, w.bias, w.bits, w.group_size, c10::SymInt(w.out_features));
+}
+
+// y (T, out) += each adapter row's delta of x (T, in), in place
+// NOTE: typed as lora.cpp's kernel is declared (y by value): the dispatcher checks the C++ signature
+void lora_add(const at::Tensor& y, const at::Tensor& x, const LoraModule& m, const LoraRows& step) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("attnserve::lora_add_", "")
+                             .typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, c10::IntArrayRef)>();
+  op.call(y, x, m.a, m.bt, m.ranks, step.rows, step.seg_start, step.seg_slot, m.splits);
 }
 
 // A tensor-parallel rank's partial sums, summed over its group through shared memory (models/shm_comm.py)
@@ -209,12 +235,30 @@ class DecoderStack : public torch::CustomClassHolder {
   // shared-memory communicator `handle` (its library must be loaded) before each residual add.
   void set_all_reduce(int64_t handle) { all_reduce_ = handle; }
 
+  // LoRA slots: per layer (after add_layer), 4 x (a, bt, ranks) for qkv, o, gate_up, down, each list in
+  // that order. NOTE: held by reference; the lora_add_ op checks their shapes against each step's
+  void set_lora(std::vector<at::Tensor> a, std::vector<at::Tensor> bt, std::vector<at::Tensor> ranks) {
+    const size_t n = 4 * layers_.size();
+    TORCH_CHECK(a.size() == n && bt.size() == n && ranks.size() == n, "4 LoRA modules per layer");
+    TORCH_CHECK(all_reduce_ < 0, "LoRA with tensor parallelism is not supported");
+    const int64_t q = num_heads_ * head_dim_, kv = num_kv_heads_ * head_dim_, c = final_norm_.numel();
+    const std::vector<int64_t> splits[4] = {{q, kv, kv}, {c}, {intermediate_size_, intermediate_size_}, {c}};
+    lora_.clear();
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK(ranks[i].size(1) == int64_t(splits[i % 4].size()) && a[i].size(0) == bt[i].size(0),
+                  "LoRA slots do not fit the stack");
+      lora_.push_back({a[i], bt[i], ranks[i], splits[i % 4]});
+    }
+  }
+
   // x: (T, C) embedded tokens; cos, sin: (T, D) RoPE tables in x's dtype; the rest is one step's
   // paged-attention metadata and the pool (kvcache/paged_attention.py). Returns the final-normed (T, C).
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
                      std::vector<at::Tensor> v_caches, at::Tensor slot_mapping, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, int64_t max_query_len, int64_t max_seq_len,
-                     std::vector<double> k_scales, std::vector<double> v_scales) {
+                     std::vector<double> k_scales, std::vector<double> v_scales,
+                     std::optional<at::Tensor> lora_rows, std::optional<at::Tensor> lora_seg_start,
+                     std::optional<at::Tensor> lora_seg_slot) {
     const size_t n = layers_.size();
     TORCH_CHECK(k_caches.size() == n && v_caches.size() == n && k_scales.size() == n && v_scales.size() == n,
                 "one cache and scale per layer");
@@ -225,12 +269,17 @@ class DecoderStack : public torch::CustomClassHolder {
                     sin.is_contiguous(),
                 "cos and sin must be (T, head_dim) in x's dtype");
     TORCH_CHECK(final_norm_.scalar_type() == x.scalar_type(), "the weights' dtype is x's");
+    TORCH_CHECK(lora_rows.has_value() == lora_seg_start.has_value() && lora_rows.has_value() == lora_seg_slot.has_value(),
+                "LoRA rows, segment starts and segment slots come together");
+    TORCH_CHECK(!lora_rows || !lora_.empty(), "LoRA rows but no LoRA slots (set_lora)");
+    std::optional<LoraRows> lora;
+    if (lora_rows) lora.emplace(LoraRows{*lora_rows, *lora_seg_start, *lora_seg_slot});
     if (x.scalar_type() == at::kBFloat16) {
       return run<c10::BFloat16>(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens,
-                                query_start_loc, max_query_len, max_seq_len, k_scales, v_scales);
+                                query_start_loc, max_query_len, max_seq_len, k_scales, v_scales, lora);
     }
     return run<float>(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens, query_start_loc,
-                      max_query_len, max_seq_len, k_scales, v_scales);
+                      max_query_len, max_seq_len, k_scales, v_scales, lora);
   }
 
  private:
@@ -239,7 +288,8 @@ class DecoderStack : public torch::CustomClassHolder {
                  std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches,
                  const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                  const at::Tensor& query_start_loc, int64_t max_query_len, int64_t max_seq_len,
-                 const std::vector<double>& k_scales, const std::vector<double>& v_scales) {
+                 const std::vector<double>& k_scales, const std::vector<double>& v_scales,
+                 const std::optional<LoraRows>& lora) {
     const int64_t t = x_in.size(0), c = x_in.size(1), d = head_dim_;
     const int64_t h = num_heads_, hkv = num_kv_heads_, width = intermediate_size_;
     const double scale = 1.0 / std::sqrt(double(d));
@@ -253,6 +303,7 @@ class DecoderStack : public torch::CustomClassHolder {
       const Layer& layer = layers_[l];
       rms_norm<T>(xp, layer.attn_norm.data_ptr<T>(), np, t, c, eps_);
       at::Tensor qkv = quant_linear(normed, layer.qkv).contiguous();  // (T, (H + 2 Hkv) D)
+      if (lora) lora_add(qkv, normed, lora_[4 * l], *lora);  // NOTE: before RoPE, as PEFT adds it
       rope<T>(qkv.data_ptr<T>(), qkv.size(1), cos.data_ptr<T>(), sin.data_ptr<T>(), qk.data_ptr<T>(), t, h + hkv, d);
       at::Tensor q = qk.narrow(1, 0, h);  // (T, H, D)
       at::Tensor k = qk.narrow(1, h, hkv);  // (T, Hkv, D)
@@ -260,12 +311,15 @@ class DecoderStack : public torch::CustomClassHolder {
       at::Tensor out = paged_attention(q, k, v, k_caches[l], v_caches[l], slot_mapping, block_tables, seq_lens,
                                        query_start_loc, max_query_len, max_seq_len, scale, k_scales[l], v_scales[l]);
       at::Tensor o = quant_linear(out.view({t, h * d}), layer.o).contiguous();  // (T, C)
+      if (lora) lora_add(o, out.view({t, h * d}), lora_[4 * l + 1], *lora);
       if (all_reduce_ >= 0) o = all_reduce(o, all_reduce_);
       add_into<T>(xp, o.data_ptr<T>(), t * c);
       rms_norm<T>(xp, layer.mlp_norm.data_ptr<T>(), np, t, c, eps_);
       at::Tensor gate_up = quant_linear(normed, layer.gate_up).contiguous();  // (T, 2 I)
+      if (lora) lora_add(gate_up, normed, lora_[4 * l + 2], *lora);
       silu_mul<T>(gate_up.data_ptr<T>(), act.data_ptr<T>(), t, width);
       at::Tensor down = quant_linear(act, layer.down).contiguous();  // (T, C)
+      if (lora) lora_add(down, act, lora_[4 * l + 3], *lora);
       if (all_reduce_ >= 0) down = all_reduce(down, all_reduce_);
       add_into<T>(xp, down.data_ptr<T>(), t * c);
     }
@@ -278,6 +332,7 @@ class DecoderStack : public torch::CustomClassHolder {
   int64_t all_reduce_ = -1;  // a shared-memory communicator's handle; -1: not tensor parallel
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
+  std::vector<LoraModule> lora_;  // 4 per layer once set_lora is called; empty: no LoRA
 };
 
 }  // namespace
@@ -287,5 +342,6 @@ TORCH_LIBRARY_FRAGMENT(attnserve, m) {
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, at::Tensor>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("set_all_reduce", &DecoderStack::set_all_reduce)
+      .def("set_lora", &DecoderStack::set_lora)
       .def("forward", &DecoderStack::forward);
 }

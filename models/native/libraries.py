@@ -23,6 +23,7 @@ _FALLBACKS = {
     "decoder": ("decoder", "the compiled step serves"),
     "shm_comm": ("shared-memory collectives", "tensor-parallel ranks use the process group's"),
     "logit_scores": ("prompt-logprob", "prompt logprobs take torch's log_softmax, comparison and topk"),
+    "lora": ("LoRA", "LoRA deltas take torch's index_select + mm"),
 }
 
 

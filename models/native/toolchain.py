@@ -38,6 +38,7 @@ SOURCES = {
     "decoder": ROOT / "models" / "csrc" / "decoder.cpp",
     "shm_comm": ROOT / "models" / "csrc" / "shm_comm.cpp",
     "logit_scores": ROOT / "models" / "csrc" / "logit_scores.cpp",
+    "lora": ROOT / "models" / "csrc" / "lora.cpp",
 }
 # The headers the kernel files include (simd.h: the vector types, the ISA preamble and the register
 # tiles; quant_panels.h: the quantized panels): every library's name hashes them all

@@ -13,6 +13,7 @@ from kvcache.storage import KVCacheSpec, PagedKVCache
 from models.config import ModelConfig
 from models.cpu_linear import prepare
 from models.loader import load_for_serving, parse_dtype, read_model_config
+from models.lora import LoraSlots, lora_shapes
 from models.native.cpu_path import CpuPath
 from models.native.probe import detect
 from models.registry import resolve_model
@@ -46,6 +47,7 @@ class EngineParts:
     eos_token_ids: frozenset[int]
     weight_bytes: int  # as served (quantized, packed), every rank's together
     pooling: Pooling | None = None  # an embedding model's (server/engine/pooling.py); None: it generates
+    lora_slots: LoraSlots | None = None  # the LoRA adapters' weights (server/engine/lora_manager.py); None: off
 
     @property
     def max_model_len(self) -> int:
@@ -72,14 +74,22 @@ def assemble(config: EngineConfig, model: DecoderLM | None = None, tokenizer: An
         prepare(model, detect(config.device), dtype, dtype, config.device)
     if pooling is None or config.task == BOTH:
         _require_lm_head(model, config.model)
+    if pooling is not None and config.max_loras:  # NOTE: task auto found an embedding model
+        raise ValueError(f"{config.model} is an embedding model: LoRA adapters (max_loras) are not supported "
+                         "with embeddings")
     _describe(model.cpu_path)
     spec = config.speculative_config
     draft = _load_draft(config, spec, model, tokenizer) if spec is not None and spec.method == "draft_model" else None
     kv_spec = KVCacheSpec.of(model.config, kv_cache_dtype(config.kv_cache_dtype, model.dtype), config.block_size)
     draft_spec = DraftModelProposer.kv_spec(draft, config.block_size) if draft is not None else None
-    # weight_bytes is what the weights take as served (quantized, packed): with kv_cache_memory
-    # auto the pool is memory_budget minus that, so every byte quantization saves becomes KV blocks
-    weight_bytes = model.weight_bytes()
+    # weight_bytes is what the weights take as served (quantized, packed), LoRA slots included: with
+    # kv_cache_memory auto the pool is memory_budget minus that, so every byte quantization saves becomes KV blocks
+    slots = (LoraSlots(lora_shapes(model.config, config.max_loras, config.max_lora_rank), model.dtype, model.device)
+             if config.max_loras else None)
+    weight_bytes = model.weight_bytes() + (slots.nbytes() if slots is not None else 0)
+    if slots is not None:
+        logger.info("attnserve LoRA: %d adapter slots up to rank %d, %s (counted in the weights)", config.max_loras,
+                    config.max_lora_rank, format_size(slots.nbytes()))
     if config.num_blocks:
         num_blocks = config.num_blocks
     else:
@@ -91,14 +101,15 @@ def assemble(config: EngineConfig, model: DecoderLM | None = None, tokenizer: An
                                 kv_spec.bytes_per_block, weight_bytes)
     _log_pool(config, model.cpu_path, weight_bytes, num_blocks, kv_spec)
     cache = PagedKVCache(kv_spec, num_blocks, model.device, scales_for(model, kv_spec.dtype, tokenizer))
-    runner = ModelRunner(model, cache, compile=not config.enforce_eager, native=config.native_decoder)
+    runner = ModelRunner(model, cache, compile=not config.enforce_eager, native=config.native_decoder,
+                         lora_slots=slots)
     proposer = None
     if draft is not None:
         proposer = DraftModelProposer(ModelRunner(draft, PagedKVCache(draft_spec, num_blocks, draft.device),
                                                   compile=not config.enforce_eager, native=config.native_decoder),
                                       num_blocks, draft_spec)
     return _parts(config, model, tokenizer, model.config, model.cpu_path, kv_spec, num_blocks, cache, runner, None,
-                  proposer, weight_bytes, pooling)
+                  proposer, weight_bytes, pooling, slots)
 
 
 def _assemble_parallel(config: EngineConfig, tokenizer: Any) -> EngineParts:
@@ -125,7 +136,7 @@ def _assemble_parallel(config: EngineConfig, tokenizer: Any) -> EngineParts:
 
 def _parts(config: EngineConfig, model, tokenizer, cfg: ModelConfig, cpu_path: CpuPath, kv_spec: KVCacheSpec,
            num_blocks: int, cache, runner, executor, draft_proposer, weight_bytes: int,
-           pooling: Pooling | None = None) -> EngineParts:
+           pooling: Pooling | None = None, lora_slots: LoraSlots | None = None) -> EngineParts:
     logger.info("attnserve step: %s", runner.step)
     spec = config.speculative_config
     proposer = draft_proposer
@@ -146,11 +157,11 @@ def _parts(config: EngineConfig, model, tokenizer, cfg: ModelConfig, cpu_path: C
         pipeline_parallel_size=config.pipeline_parallel_size,
         workers=executor.info if executor is not None else (), scheduling_policy=config.scheduling_policy,
         task="generate" if pooling is None else BOTH if config.task == BOTH else "embed", pooling=pooling,
-        hidden_size=cfg.hidden_size)
+        hidden_size=cfg.hidden_size, lora=lora_slots.shapes if lora_slots is not None else None)
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, kv_spec.group_windows)
     return EngineParts(model=model, tokenizer=tokenizer, model_config=cfg, cpu_path=cpu_path, kv_spec=kv_spec, kv=kv,
                        cache=cache, runner=runner, executor=executor, spec=spec, proposer=proposer, info=info,
-                       eos_token_ids=frozenset(eos), weight_bytes=weight_bytes, pooling=pooling)
+                       eos_token_ids=frozenset(eos), weight_bytes=weight_bytes, pooling=pooling, lora_slots=lora_slots)
 
 
 def _describe(path: CpuPath) -> None:

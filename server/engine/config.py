@@ -96,6 +96,10 @@ class EngineConfig:
     task: str = "auto"
     pooling: str = "auto"
     embed_normalize: bool | None = None
+    # LoRA adapters (server/engine/lora_manager.py): slots for max_loras resident adapters of rank up to
+    # max_lora_rank, in the model's compute dtype, out of memory_budget; 0: LoRA off (no slots, no memory)
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -150,6 +154,13 @@ class EngineConfig:
         if self.world_size > 1 and spec is not None and spec.method == "draft_model":
             raise ValueError("a draft model (speculative_config) is not supported with tensor or pipeline "
                              "parallelism; the ngram method is")
+        if self.max_loras < 0 or self.max_lora_rank <= 0:
+            raise ValueError("max_loras must be >= 0 (0: LoRA off) and max_lora_rank positive")
+        if self.max_loras and self.world_size > 1:
+            raise ValueError("LoRA adapters (max_loras) are not supported with tensor or pipeline parallelism")
+        if self.max_loras and self.task in ("embed", "generate,embed"):
+            raise ValueError("LoRA adapters (max_loras) are not supported with embeddings (task embed): "
+                             "an adapter changes what the model generates, not what it pools")
         # NOTE: on CUDA, attention reads the pool with Flash's paged kernel, whose pages are 256 tokens
         if self.device.startswith("cuda") and self.block_size % CUDA_BLOCK_SIZE:
             raise ValueError(f"on CUDA block_size must be a multiple of {CUDA_BLOCK_SIZE} (Flash's paged KV kernel)")

@@ -33,10 +33,14 @@ from server.wire import (
     EngineReady,
     EngineStats,
     InjectStepFailures,
+    LoadLora,
+    LoraAnswer,
+    LoraRef,
     ModelInfo,
     RequestOutput,
     SlowSteps,
     StepOutputs,
+    UnloadLora,
 )
 
 logger = logging.getLogger(__name__)
@@ -75,7 +79,8 @@ class EngineCoreClient:
         self.pid: int = ready.pid
         self.stats: EngineStats = ready.stats  # the latest, replaced whole (never mutated)
         self.cached_blocks: frozenset[bytes] = frozenset()  # the latest prefix-cache summary
-        self._answers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # ComputeAttention
+        # ComputeAttention, LoadLora and UnloadLora by request id: their answers' futures
+        self._answers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self.dead: str | None = None  # why the engine process is gone
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._send_lock = threading.Lock()
@@ -101,14 +106,16 @@ class EngineCoreClient:
         return self.dead is None and self.process.poll() is None
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                 coalesce: bool = False, final_only: bool = False, embed: bool = False) -> AsyncIterator[RequestOutput]:
+                 coalesce: bool = False, final_only: bool = False, embed: bool = False,
+                 lora: LoraRef | None = None) -> AsyncIterator[RequestOutput]:
         """Check capacity now (raising QueueFullError), then stream outputs as they come.
 
         The caller validated the request. Closing the iterator early (client gone, task
         cancelled) aborts the request. With `coalesce`, outputs that queued up while the consumer
         was busy arrive merged (one per sample): a slow consumer costs one message per read. With
         `final_only`, the engine sends each sample once, finished and whole. With `embed`, the prompt is
-        only prefilled: its one output carries its embedding.
+        only prefilled: its one output carries its embedding. With `lora`, it runs with that LoRA adapter
+        (loaded on demand if it is not resident; an adapter that cannot be loaded fails the request).
         """
         if not self.is_alive:
             raise EngineDeadError(f"engine process is not running: {self.dead or 'exited'}")
@@ -122,16 +129,16 @@ class EngineCoreClient:
             if waiting >= limit:
                 raise QueueFullError(f"waiting queue is full ({limit} requests); retry later")
         return self._stream(request_id or uuid.uuid4().hex, tuple(prompt_token_ids), params, coalesce, final_only,
-                            embed)
+                            embed, lora)
 
-    async def _stream(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
-                      coalesce: bool, final_only: bool, embed: bool = False) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, coalesce: bool,
+                      final_only: bool, embed: bool = False, lora: LoraRef | None = None) -> AsyncIterator[RequestOutput]:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         remaining, done = params.n, False
         try:
             self._adds_sent += 1
-            self._send(AddRequest(request_id, prompt, params, time.monotonic(), final_only, embed=embed))
+            self._send(AddRequest(request_id, prompt, params, time.monotonic(), final_only, embed=embed, lora=lora))
             while remaining:
                 items = [await q.get()]
                 while coalesce and not q.empty():
@@ -150,13 +157,27 @@ class EngineCoreClient:
 
     async def attention(self, token_ids: Sequence[int], layers: Sequence[int] | None) -> AttentionWeights:
         """Attention weights of one prompt, computed by the engine process between steps."""
+        return await self._ask(lambda rid: ComputeAttention(rid, tuple(token_ids), tuple(layers) if layers else None))
+
+    async def load_lora(self, ref: LoraRef) -> LoraAnswer:
+        """Make a LoRA adapter resident on the engine (read and checked there, between steps): its error
+        (with an HTTP status) or how long the load took."""
+        return await self._ask(lambda rid: LoadLora(rid, ref))
+
+    async def unload_lora(self, name: str) -> LoraAnswer:
+        """Drain a LoRA adapter: its requests in flight finish, new ones are refused; a 404 answer for one
+        the engine does not hold."""
+        return await self._ask(lambda rid: UnloadLora(rid, name))
+
+    async def _ask(self, command: Callable[[str], object]):
+        """Send `command(request_id)` and await the engine's answer to that request id."""
         if not self.is_alive:
             raise EngineDeadError(f"engine process is not running: {self.dead or 'exited'}")
         request_id = uuid.uuid4().hex
         future = asyncio.get_running_loop().create_future()
         self._answers[request_id] = (asyncio.get_running_loop(), future)
         try:
-            self._send(ComputeAttention(request_id, tuple(token_ids), tuple(layers) if layers else None))
+            self._send(command(request_id))
             return await future
         finally:
             self._answers.pop(request_id, None)
@@ -195,11 +216,11 @@ class EngineCoreClient:
                 self.process.kill()
                 return
 
-    def _receive(self, message: StepOutputs | CachedBlocks | AttentionWeights) -> None:
+    def _receive(self, message: StepOutputs | CachedBlocks | AttentionWeights | LoraAnswer) -> None:
         if isinstance(message, CachedBlocks):
             self.cached_blocks = message.keys
             return
-        if isinstance(message, AttentionWeights):
+        if isinstance(message, (AttentionWeights, LoraAnswer)):
             waiter = self._answers.pop(message.request_id, None)
             if waiter is not None:
                 waiter[0].call_soon_threadsafe(_resolve, waiter[1], message)

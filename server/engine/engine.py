@@ -11,6 +11,7 @@ import time
 from collections import deque
 from typing import Any, Sequence
 
+from models.lora_format import AdapterError
 from models.native.memory import resident_bytes
 from models.transformer import DecoderLM
 from server.engine.admission import validate_request
@@ -20,6 +21,7 @@ from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.errors import InvalidRequestError
 from server.engine.executor import WorkerDiedError
 from server.engine.grammar import GrammarCache, SequenceGrammar, start_ready
+from server.engine.lora_manager import LoraManager
 from server.engine.model_runner import Batch
 from server.engine.offline import CompletionResult, embed, generate
 from server.engine.output_processor import OutputProcessor
@@ -28,7 +30,7 @@ from server.engine.request import Request
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.speculation import Speculation
-from server.wire import EngineStats, RequestOutput
+from server.wire import EngineStats, LoraAnswer, LoraRef, RequestOutput
 
 CACHED_FREE_EVERY_S = 0.25  # counting cached free blocks walks the prefix map: not every step
 
@@ -42,10 +44,13 @@ class LLMEngine:
         self.spec, self.proposer, self.cpu_path, self.weight_bytes = p.spec, p.proposer, p.cpu_path, p.weight_bytes
         self.pooling = p.pooling  # an embedding model's (server/engine/pooling.py); None: generation only
         self.eos_token_ids, self.max_model_len, self.num_blocks = p.eos_token_ids, p.max_model_len, p.num_blocks
+        # the LoRA adapters in the runner's slots; None: LoRA is off (max_loras 0)
+        self.loras = LoraManager(p.lora_slots) if p.lora_slots is not None else None
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.kv_spec.bytes_per_block,
                                    on_free=(lambda r: self.proposer.release(r.request_id)) if self.proposer else None,
-                                   policy=config.scheduling_policy)
+                                   policy=config.scheduling_policy,
+                                   on_finish=self._release_lora if self.loras is not None else None)
         self.outputs = OutputProcessor(self.scheduler, p.eos_token_ids, p.max_model_len)
         self.groups = self.outputs.groups  # NOTE: the one dict of unfinished requests, the processor's
         self.speculation = Speculation(p.spec, p.proposer, self.scheduler, p.max_model_len) if p.spec else None
@@ -59,18 +64,21 @@ class LLMEngine:
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    arrival_time: float | None = None, final_only: bool = False) -> None:
-        """Validate, then queue. Raises InvalidRequestError for anything that could never be served."""
+                    arrival_time: float | None = None, final_only: bool = False, lora: LoraRef | None = None) -> None:
+        """Validate, then queue. Raises InvalidRequestError for anything that could never be served (and
+        models.lora_format.AdapterError for a LoRA adapter that cannot be)."""
         validate_request(self.info, prompt_token_ids, params)
-        self.add_validated(request_id, prompt_token_ids, params, arrival_time, final_only)
+        self.add_validated(request_id, prompt_token_ids, params, arrival_time, final_only, lora=lora)
 
     def add_validated(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      arrival_time: float | None = None, final_only: bool = False, embed: bool = False) -> None:
+                      arrival_time: float | None = None, final_only: bool = False, embed: bool = False,
+                      lora: LoraRef | None = None) -> None:
         """Queue a request its replica already validated (requests are validated once).
 
         With `final_only`, each sample yields one output, when it finishes, holding all its tokens,
         text and logprobs: a non-streaming caller gets no message per step. With `embed`, the prompt is
-        prefilled (in the same steps as generation) and pooled, and its one output carries its embedding."""
+        prefilled (in the same steps as generation) and pooled, and its one output carries its embedding.
+        With `lora`, it runs with that LoRA adapter, loaded now if it is not resident."""
         self.num_adds_received += 1
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -83,6 +91,10 @@ class LLMEngine:
                          None if embed else self._detokenizer(prompt_token_ids, params), index=i, group_id=request_id,
                          arrival_time=arrival, final_only=final_only, prompt_logprobs=prompt_logprobs)
                  for i in range(params.n)]
+        if lora is not None:  # NOTE: before anything else holds the group: a bad adapter leaves nothing behind
+            if self.loras is None:
+                raise InvalidRequestError("this engine serves no LoRA adapters (max_loras is 0)", "model")
+            self.loras.acquire(lora, group)
         if params.structured is not None:
             compiled, cache_hit = self.grammars.get(params.structured)
             for req in group:
@@ -98,6 +110,25 @@ class LLMEngine:
         if self.tokenizer is None:
             return None
         return IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.skip_special_tokens)
+
+    def load_lora(self, ref: LoraRef, request_id: str = "") -> LoraAnswer:
+        """Make an adapter resident (in a slot, or waiting for one while every slot is pinned)."""
+        if self.loras is None:
+            return LoraAnswer(request_id, "this engine serves no LoRA adapters (max_loras is 0)", 400)
+        try:
+            return LoraAnswer(request_id, seconds=self.loras.load(ref))
+        except AdapterError as e:
+            return LoraAnswer(request_id, str(e), e.status)
+
+    def unload_lora(self, name: str, request_id: str = "") -> LoraAnswer:
+        """Drain an adapter: new requests for it are refused, those in flight finish, then its slot is cleared."""
+        if self.loras is None or not self.loras.unload(name):
+            return LoraAnswer(request_id, f"no LoRA adapter named {name!r} is loaded", 404)
+        return LoraAnswer(request_id)
+
+    def _release_lora(self, req: Request) -> None:
+        if req.lora is not None:
+            self.loras.release(req)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Abort every sample of a request; frees its blocks. Unknown / finished ids are a no-op."""
@@ -117,7 +148,15 @@ class LLMEngine:
             num_generated_tokens=self.outputs.num_generated_tokens, num_prefix_queries=sch.num_prefix_queries,
             num_prefix_hits=sch.num_prefix_hits, num_preemptions=sch.num_preemptions, num_steps=self.num_steps,
             num_step_errors=self.num_step_errors, num_adds_received=self.num_adds_received,
-            resident_memory_bytes=resident_bytes()[0], preemptions_by_priority=dict(sch.preemptions_by_priority))
+            resident_memory_bytes=resident_bytes()[0], preemptions_by_priority=dict(sch.preemptions_by_priority),
+            **self._lora_stats())
+
+    def _lora_stats(self) -> dict[str, Any]:
+        if self.loras is None:
+            return {}
+        return dict(num_lora_loads=self.loras.num_loads, num_lora_evictions=self.loras.num_evictions,
+                    lora_load_seconds=self.loras.load_seconds, resident_loras=self.loras.resident(),
+                    running_loras=_adapters(self.scheduler.running), waiting_loras=_adapters(self.scheduler.waiting))
 
     # ---- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -180,11 +219,17 @@ class LLMEngine:
         return [self.outputs.final(req, "error", (), error=error) for req, error in failed]
 
     # ---- offline ---------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams]) -> list[list[CompletionResult]]:
-        """Run prompts to completion; results per prompt (one per sample), in input order."""
-        return generate(self, prompts, params)
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 lora: LoraRef | Sequence[LoraRef | None] | None = None) -> list[list[CompletionResult]]:
+        """Run prompts to completion; results per prompt (one per sample), in input order. `lora`: one
+        adapter for every prompt, or one (or None: the base model) per prompt."""
+        return generate(self, prompts, params, lora)
 
     def embed(self, prompts: Sequence[Sequence[int]]) -> list[Any]:
         """Each prompt's embedding (an embedding model's engine), in input order: (hidden,) float32 numpy."""
         return embed(self, prompts)
+
+
+def _adapters(requests) -> tuple[str, ...]:
+    """The LoRA adapters of `requests`, by name, each once."""
+    return tuple(dict.fromkeys(r.lora.name for r in requests if r.lora is not None))

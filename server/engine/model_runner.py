@@ -10,6 +10,7 @@ import torch
 
 from kvcache.paged_attention import AttentionMetadata, PagedAttention, warm_up_steps
 from kvcache.storage import KVCacheSpec, PagedKVCache
+from models.lora import LoraMetadata, LoraSlots, LoraStep
 from models.transformer import DecoderLM
 from server.engine.grammar import apply_bitmask, fill_bitmask
 from server.engine.rejection_sampler import verify
@@ -48,6 +49,7 @@ class Batch:
     prompt_rows: PromptRows | None = None  # rows after the sampling ones: prompt positions to score
     pooling_rows: torch.Tensor | None = None  # (P,) the rows embedding requests pool (server/engine/pooling.py)
     pooling_counts: tuple[int, ...] = ()  # per embedding sequence of the step, in order: its rows among them
+    lora: LoraMetadata | None = None  # the rows that have a LoRA adapter, by slot; None: no row has one
 
     @property
     def num_sampling_rows(self) -> int:
@@ -77,15 +79,18 @@ class Pending:
 
 class ModelRunner:
     """Runs steps through the native decoder where it covers the model, else the compiled model
-    (the eager one with `compile=False`). `step` names which: native, compiled or eager."""
+    (the eager one with `compile=False`). `step` names which: native, compiled or eager. With
+    `lora_slots`, the rows of requests that hold a slot (`Request.lora_slot`) get its adapter's deltas."""
 
-    def __init__(self, model: DecoderLM, cache: PagedKVCache, compile: bool = True, native: bool = True) -> None:
+    def __init__(self, model: DecoderLM, cache: PagedKVCache, compile: bool = True, native: bool = True,
+                 lora_slots: LoraSlots | None = None) -> None:
         self.model = model
         self.cache = cache
+        self.lora_slots = lora_slots
         self.spec, self.vocab_size = cache.spec, model.config.vocab_size
         self.device = model.device
         self.depth = 1  # steps in flight at once (pipeline stages keep several)
-        step = choose_step(model, cache, compile, native, self._warm_up, "model")
+        step = choose_step(model, cache, compile, native, self._warm_up, "model", lora_slots)
         self.forward, self.step, self.compile_seconds = step.forward, step.kind, step.seconds
 
     def _warm_up(self, forward) -> None:
@@ -93,10 +98,16 @@ class ModelRunner:
 
         Inputs are made as `prepare` makes them (outside inference mode), so the guards that
         compiling records are the ones real steps pass (kvcache.paged_attention.warm_up_steps).
+        With LoRA slots each step runs again with every row on slot 0: the graph with the deltas
+        compiles here too (their output, like the dummy K/V, is never read).
         """
         for ids, positions, meta in warm_up_steps(self.spec, self.device):
             with torch.inference_mode():
                 forward(ids, positions, PagedAttention(self.cache, meta))
+            if self.lora_slots is not None:
+                lora = LoraStep(self.lora_slots, _on(LoraMetadata.of([0] * len(ids)), self.device))
+                with torch.inference_mode():
+                    forward(ids, positions, PagedAttention(self.cache, meta), lora=lora)
 
     def prepare(self, out: SchedulerOutput) -> Batch:
         ids: list[int] = []
@@ -106,8 +117,10 @@ class ModelRunner:
         scored: tuple[list[int], list[int], list[int], list[tuple]] = ([], [], [], [])  # PromptRows' + their rows
         pool_rows: list[int] = []
         pool_counts: list[int] = []
+        row_slots: list[int | None] = []  # per row its LoRA slot (drafts' too: verification uses the adapter)
         for s in out.seqs:
             c, n, req, drafts = s.num_computed_tokens, s.num_new_tokens, s.request, s.draft_token_ids
+            row_slots.extend([req.lora_slot] * s.query_len)
             if req.needs_prompt_logprobs:
                 _score_prompt(req, c, n, len(ids), *scored)
             ids.extend(req.all_token_ids[c:c + n])
@@ -135,6 +148,10 @@ class ModelRunner:
         drafts = tuple(s.draft_token_ids for s in out.seqs if s.samples)
         targets, ks, prompt_rows, seqs = scored
         logits_rows.extend(prompt_rows)
+        # NOTE: a runner without slots (a draft model's) runs every row on its base model
+        lora = None
+        if self.lora_slots is not None and any(slot is not None for slot in row_slots):
+            lora = _on(LoraMetadata.of(row_slots), self.device)
         return Batch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
@@ -151,6 +168,7 @@ class ModelRunner:
             prompt_rows=PromptRows(tuple(targets), tuple(ks), tuple(seqs)) if seqs else None,
             pooling_rows=torch.tensor(pool_rows, dtype=torch.long, device=self.device) if pool_counts else None,
             pooling_counts=tuple(pool_counts),
+            lora=lora,
         )
 
     def execute(self, batch: Batch) -> StepResult:
@@ -158,8 +176,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def submit(self, batch: Batch) -> Pending:
-        """Start the step: here the model runs at once."""
-        hidden = self.forward(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.attn))  # (T, C)
+        """Start the step: here the model runs at once. NOTE: a step with no adapter row calls the model
+        without `lora`, so it runs no LoRA code (and the compiled graph without it)."""
+        attention = PagedAttention(self.cache, batch.attn)
+        if batch.lora is None:
+            hidden = self.forward(batch.input_ids, batch.positions, attention)  # (T, C)
+        else:
+            hidden = self.forward(batch.input_ids, batch.positions, attention, lora=LoraStep(self.lora_slots, batch.lora))
         pooled = hidden[batch.pooling_rows].float() if batch.pooling_rows is not None else None  # (P, C)
         if not len(batch.logits_indices):
             return Pending(None, pooled)
@@ -205,6 +228,13 @@ class ModelRunner:
         return torch.split(pending.pooled, list(batch.pooling_counts))
 
 
+def _on(meta: LoraMetadata, device: torch.device) -> LoraMetadata:
+    """The step's LoRA rows on the model's device (LoraMetadata.of builds them on the CPU)."""
+    if device.type == "cpu":
+        return meta
+    return LoraMetadata(meta.rows.to(device), meta.seg_start.to(device), meta.seg_slot.to(device))
+
+
 def _score_prompt(req: Request, c: int, n: int, offset: int, targets: list[int], ks: list[int], rows: list[int],
                   seqs: list[tuple]) -> None:
     """The rows of this chunk (`n` tokens from position `c`, packed from `offset`) whose logits give the
@@ -230,6 +260,7 @@ class DistributedRunner(ModelRunner):
     def __init__(self, executor, spec: KVCacheSpec, vocab_size: int, num_blocks: int) -> None:
         self.executor, self.spec, self.vocab_size = executor, spec, vocab_size
         self.model, self.cache, self.device = None, None, torch.device("cpu")
+        self.lora_slots = None  # NOTE: EngineConfig refuses LoRA with tensor or pipeline parallelism
         start = time.perf_counter()
         self.step = executor.init_cache(num_blocks)
         self.compile_seconds = time.perf_counter() - start

@@ -7,7 +7,8 @@ and SwiGLU in C++ around the same packed quantized-linear and paged-attention ke
 costs its kernels. It covers RMSNorm + RoPE + SwiGLU models whose layer linears are packed
 quantized (models/quant_linear.py) and whose attention is the C++ paged kernel; anything else runs
 compiled (compilation.py). It is one way to run a step, beside the compiled and eager ones
-(model_runner.py `choose_step`).
+(model_runner.py `choose_step`). With LoRA slots, each linear's output gets its adapter rows' deltas
+from the same op the Python model's `LoraStep` calls (models/csrc/lora.cpp).
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch
 
 from kvcache import ops
 from kvcache.paged_attention import PagedAttention
+from models.lora import LoraSlots, LoraStep
+from models.lora_format import MODULES
 from models.native.libraries import available
 from models.parallel import RowParallel
 from models.quant_linear import QuantLinear
@@ -22,8 +25,8 @@ from models.rope import rope_cos_sin
 from models.transformer import DecoderLM
 
 
-def unsupported(model: DecoderLM) -> str | None:
-    """Why `model` cannot run as a NativeDecoder, or None when it can."""
+def unsupported(model: DecoderLM, lora: bool = False) -> str | None:
+    """Why `model` (with LoRA slots where `lora`) cannot run as a NativeDecoder, or None when it can."""
     cfg = model.config
     if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
         return "runs on CPU in float32 or bfloat16 only"
@@ -44,6 +47,10 @@ def unsupported(model: DecoderLM) -> str | None:
                 return "layer linears that are not packed quantized"
     if not available("decoder"):
         return "the C++ decoder library is unavailable (see the warning above)"
+    if lora and _communicator(model) is not None:
+        return "LoRA with tensor parallelism"
+    if lora and not available("lora"):
+        return "the C++ LoRA library is unavailable (see the warning above)"
     return None
 
 
@@ -66,8 +73,8 @@ class NativeDecoder:
 
     NOTE: holds the model's own tensors, not copies; the model must not change after this is built."""
 
-    def __init__(self, model: DecoderLM) -> None:
-        reason = unsupported(model)
+    def __init__(self, model: DecoderLM, lora_slots: LoraSlots | None = None) -> None:
+        reason = unsupported(model, lora=lora_slots is not None)
         if reason is not None:
             raise ValueError(f"this model cannot run as a NativeDecoder: {reason}")
         cfg = model.config
@@ -87,12 +94,21 @@ class NativeDecoder:
                 tensors += [linear.codes, linear.scales, linear.offsets, bias]
                 sizes += [linear.bits, linear.group_size, linear.out_features, int(linear.int8_activations)]
             self.stack.add_layer(layer.attn_norm.weight.detach(), layer.mlp_norm.weight.detach(), tensors, sizes)
+        self.lora_slots = lora_slots
+        if lora_slots is not None:
+            keys = [(layer, m) for layer in range(cfg.num_layers) for m in MODULES]
+            self.stack.set_lora([lora_slots.a[k] for k in keys], [lora_slots.bt[k] for k in keys],
+                                [lora_slots.ranks[k] for k in keys])
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttention) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttention,
+                 lora: LoraStep | None = None) -> torch.Tensor:
         model, m, cache = self.model, attention.meta, attention.cache
+        if lora is not None and lora.slots is not self.lora_slots:  # NOTE: the stack holds the slots it was built with
+            raise ValueError("a LoRA step over slots this NativeDecoder was not built with")
+        rows = (lora.meta.rows, lora.meta.seg_start, lora.meta.seg_slot) if lora is not None else (None, None, None)
         x = model.embed(input_ids)  # (T, C)
         cos, sin = rope_cos_sin(positions, model.inv_freq, x.dtype)  # (T, 1, D) each
         t = input_ids.shape[0]
         return self.stack.forward(x, cos.view(t, self.head_dim), sin.view(t, self.head_dim), cache.k, cache.v,
                                   m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc, m.max_query_len,
-                                  m.max_seq_len, cache.scales.k, cache.scales.v)  # (T, C)
+                                  m.max_seq_len, cache.scales.k, cache.scales.v, *rows)  # (T, C)

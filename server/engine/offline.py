@@ -7,7 +7,7 @@ from typing import Any, Sequence
 from server.engine.admission import validate_embedding
 from server.engine.pooling import EMBED_PARAMS
 from server.engine.sampling_params import SamplingParams
-from server.wire import RequestOutput, TokenLogprob
+from server.wire import LoraRef, RequestOutput, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -25,18 +25,20 @@ class CompletionResult:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # per prompt token after the first (prompt_logprobs)
 
 
-def generate(engine, prompts: Sequence[Sequence[int]],
-             params: SamplingParams | Sequence[SamplingParams]) -> list[list[CompletionResult]]:
-    """Run prompts to completion on `engine` (an LLMEngine); results per prompt (one per sample), in input order."""
+def generate(engine, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+             lora: LoraRef | Sequence[LoraRef | None] | None = None) -> list[list[CompletionResult]]:
+    """Run prompts to completion on `engine` (an LLMEngine); results per prompt (one per sample), in input order.
+    `lora`: one LoRA adapter for every prompt, or one (None: the base model) per prompt."""
     params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
     ids = [f"gen-{engine.num_steps}-{i}" for i in range(len(prompts))]
     tokens: dict[tuple[str, int], list[int]] = {}
     texts: dict[tuple[str, int], list[str]] = {}
     logprobs: dict[tuple[str, int], list[TokenLogprob]] = {}
     finals: dict[tuple[str, int], RequestOutput] = {}
     scored: dict[tuple[str, int], tuple[TokenLogprob, ...]] = {}
-    for rid, prompt, p in zip(ids, prompts, params_list):
-        engine.add_request(rid, list(prompt), p)
+    for rid, prompt, p, ref in zip(ids, prompts, params_list, loras, strict=True):
+        engine.add_request(rid, list(prompt), p, lora=ref)
     while engine.has_unfinished():
         for o in engine.step():
             key = (o.request_id, o.index)

@@ -81,8 +81,14 @@ class Request:
 
     @property
     def is_ready(self) -> bool:
-        """False while its grammar compiles: the scheduler passes over it meanwhile."""
-        return self.grammar is None or not self.grammar.is_pending
+        """False while its grammar compiles, or while its LoRA adapter waits for a slot: the scheduler
+        passes over it meanwhile."""
+        return (self.grammar is None or not self.grammar.is_pending) and (self.lora is None or self.lora_slot is not None)
+
+    @property
+    def cache_salt(self) -> bytes | None:
+        """What roots its blocks' prefix-cache hashes: its adapter's salt; None for the base model."""
+        return self.lora.salt if self.lora is not None else None
 
     @property
     def is_finished(self) -> bool:

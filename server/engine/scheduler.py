@@ -59,12 +59,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, bytes_per_block: int,
-                 on_free: Callable[[Request], None] | None = None, policy: str = "fcfs") -> None:
+                 on_free: Callable[[Request], None] | None = None, policy: str = "fcfs",
+                 on_finish: Callable[[Request], None] | None = None) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, not {policy!r}")
         self.kv = kv
         self.by_priority = policy == "priority"
         self.on_free = on_free  # a request's blocks were freed (finish or preemption): e.g. a draft model's KV too
+        self.on_finish = on_finish  # a request finished (not preempted): e.g. its LoRA adapter's pin goes
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.bytes_per_block = bytes_per_block
@@ -129,7 +131,8 @@ class Scheduler:
             # NOTE: an embedding request neither reads nor fills the prefix cache: it pools every position's
             # hidden state, and keeps no KV after its prefill
             lookup = not req.needs_prompt_logprobs and req.embedding is None
-            hit = self.kv.find_prefix(req.request_id, req.all_token_ids) if lookup else NO_HIT
+            # NOTE: a LoRA adapter's requests look up (and fill) blocks under its salt: never another's KV
+            hit = self.kv.find_prefix(req.request_id, req.all_token_ids, req.cache_salt) if lookup else NO_HIT
             n = self._allocate(req, hit.num_tokens, min(req.num_tokens - hit.num_tokens, budget), prefix=hit)
             if n is None:
                 break
@@ -215,7 +218,7 @@ class Scheduler:
                 req.num_computed_tokens += (num_accepted or {}).get(req.request_id, 0)
                 self.kv.trim(req.request_id, req.num_computed_tokens)
             if req.embedding is None:
-                self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+                self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt)
             self.kv.free_unseen(req.request_id, req.num_computed_tokens)  # NOTE: after caching: freed, still a prefix
             if req.num_computed_tokens >= req.num_prompt_tokens and req.request_id in self.held:
                 self.waiting.extendleft(reversed(self.held.pop(req.request_id)))
@@ -232,6 +235,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stats.finished_time = time.monotonic()
+        if self.on_finish is not None:
+            self.on_finish(req)
         siblings = self.held.pop(req.request_id, None)
         if siblings:  # first sample ended before its prompt was cached: let them compute it themselves
             self.waiting.extendleft(reversed(siblings))

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from kvcache.storage import PagedKVCache
+from models.lora import LoraSlots
 from models.transformer import DecoderLM
 from server.engine.compilation import compile_model
 from server.engine.native_decoder import NativeDecoder, unsupported
@@ -25,19 +26,21 @@ class Step:
 
 
 def choose_step(model: DecoderLM, cache: PagedKVCache, compile: bool, native: bool,
-                warm_up: Callable[[Callable[..., torch.Tensor]], None], who: str = "attnserve") -> Step:
-    """`warm_up(forward)` runs a compiled step's first calls (ModelRunner's, or every rank's at once)."""
+                warm_up: Callable[[Callable[..., torch.Tensor]], None], who: str = "attnserve",
+                lora_slots: LoraSlots | None = None) -> Step:
+    """`warm_up(forward)` runs a compiled step's first calls (ModelRunner's, or every rank's at once).
+    `lora_slots`: the replica's LoRA adapters, which every step's `lora` then refers to."""
     start = time.perf_counter()
-    reason = unsupported(model) if compile and native else "not asked for"
+    reason = unsupported(model, lora=lora_slots is not None) if compile and native else "not asked for"
     if reason is None:
-        return Step(NativeDecoder(model), "native", time.perf_counter() - start)
+        return Step(NativeDecoder(model, lora_slots), "native", time.perf_counter() - start)
     if not compile:
         return Step(model, "eager", 0.0)
     logger.info("%s step: compiled (the native decoder: %s)", who, reason)
     try:
-        for t in cache.tensors:
-            # NOTE: a pool's shape never changes: a compiled step specialises on it instead of
-            # checking, on every call, symbolic sizes and strides of each layer's K and V in Python
+        for t in [*cache.tensors, *(lora_slots.tensors() if lora_slots is not None else ())]:
+            # NOTE: a pool's (and the LoRA slots') shape never changes: a compiled step specialises on
+            # it instead of checking, on every call, symbolic sizes and strides of each tensor in Python
             torch._dynamo.mark_static(t)
         forward = compile_model(model)
         warm_up(forward)
