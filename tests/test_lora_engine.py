@@ -3,18 +3,21 @@ preemption, chunked prefill, prefix hits and speculation; slots evict the least 
 make requests wait, never drop them; unload drains; the prefix cache keeps adapters apart; bad adapters
 fail their request and hold nothing."""
 import asyncio
+import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from models.lora_format import AdapterError
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.core_client import EngineCoreClient
 from server.engine.lora_manager import adapter_ref
+from server.engine.sampling_params import StructuredOutput
 from server.wire import LoraRef
 from tests.conftest import ORACLE_TOKENS
 from tests.lora_helpers import peft_model
-from tests.reference import memoised_greedy
+from tests.reference import load_hf, memoised_greedy
 from tests.tiny import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=ORACLE_TOKENS, temperature=0, ignore_eos=True)
@@ -228,6 +231,42 @@ def test_ngram_speculation_on_an_adapter(engine_for, llama, refs, expected):
     cases = [(name, p + p) for name, p in zip(("all8", "mlp16", None), prompts)]  # repeats: drafts to verify
     results = check(engine, refs, expected, cases)
     assert sum(g[0].stats.num_draft_tokens for g in results[:2]) > 0
+
+
+def test_a_constrained_adapter_row_picks_peft_s_best_allowed_token(engine_for, llama, refs, expected,
+                                                                   tiny_checkpoints, lora_adapters):
+    """Structured outputs per row beside adapters. The oracle of a choice's first token is exact: of the
+    tokens that begin some choice, the one PEFT scores highest after the prompt; unconstrained rows in the
+    same steps still equal PEFT."""
+    tok = llama[1]
+    words: list[str] = []  # whole words the tiny BPE keeps as one token, none a prefix of another
+    for i in range(len(tok)):
+        w = tok.decode([i])
+        if (w.isalpha() and len(w) >= 3 and tok(w, add_special_tokens=False)["input_ids"] == [i]
+                and not any(w.startswith(v) or v.startswith(w) for v in words)):
+            words.append(w)
+    words = words[:8]
+    assert len(words) == 8
+    starts = [i for i in range(len(tok)) if (t := tok.decode([i])) and any(w.startswith(t) for w in words)]
+    choice = SamplingParams(max_tokens=8, temperature=0, structured=StructuredOutput("choice", json.dumps(words)))
+    prompts = mixed_prompts(tok, 2, seed=11, min_len=8, max_len=30)
+    cases = [(name, p) for p in prompts for name in (None, *NAMES)]
+    engine = engine_for()
+    results = engine.generate([p for _, p in cases] * 2, [choice] * len(cases) + [GREEDY] * len(cases),
+                              [refs[n] if n else None for n, _ in cases] * 2)
+    models = {None: load_hf(tiny_checkpoints["llama"]),
+              **{n: peft_model(tiny_checkpoints["llama"], path) for n, path in lora_adapters.items()}}
+    firsts = set()
+    for (name, prompt), group in zip(cases, results[:len(cases)]):
+        with torch.no_grad():
+            logits = models[name](input_ids=torch.tensor([prompt])).logits[0, -1]  # (V,)
+        best = starts[int(logits[starts].argmax())]
+        assert group[0].text in words and group[0].token_ids[0] == best, f"{name}: {group[0].text!r}"
+        firsts.add((tuple(prompt), best))
+    assert len(firsts) > len(prompts)  # the adapters changed some first token: their rows did not run the base
+    for (name, prompt), group in zip(cases, results[len(cases):]):
+        assert list(group[0].token_ids) == expected(name, prompt), name
+    assert_idle(engine)
 
 
 def test_bad_adapters_fail_their_request_and_hold_nothing(engine_for, llama, refs, expected, tmp_path):

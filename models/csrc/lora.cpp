@@ -3,10 +3,10 @@
 // The base linear has run for every row; this adds, for each segment g of `rows` (the rows of one
 // adapter slot s) and each piece p of the fused output with rank r_p > 0,
 //   y[row, cols_p] += (x[row] . a[s, pR : pR + r_p]^T) . bt[s, :r_p, cols_p]
-// where bt holds scale * lora_B^T. Two passes, both in fp32:
+// where bt holds scale * lora_B^T. Per task (a segment's TASK_ROWS rows), both in fp32:
 //   shrink: h[i, pR + j] = x[rows[i]] . a[s, pR + j], a tile of rows x A-rows sharing each load;
-//   expand: per column tile of a piece, its bt rows stay in L1 across the segment's rows, and each
-//           row's tile of y is read, added to and rounded to y's dtype once.
+//   expand: per column tile of a piece, rows share each load of bt, and each row's tile of y is read,
+//           added to and rounded to y's dtype once.
 // A segment of MM_ROWS rows or more (a prefill chunk) takes at::mm (oneDNN / MKL) on its gathered rows
 // instead. Measured on two threads (Zen 4) over the default model's 120 linears, rank 16, bf16: the
 // tiles take 8.5 ms at 31 rows and ~0.27 ms more per row; at::mm costs ~17 ms of fixed overhead
@@ -28,6 +28,8 @@ namespace {
 constexpr int SHRINK_ROWS = 4;  // x rows per shrink tile
 constexpr int SHRINK_COLS = 2;  // A rows per shrink tile: 8 accumulators, 2 + 1 loads per step
 constexpr int EXPAND_VECS = 4;  // vectors of columns per expand tile: its accumulators stay in registers
+constexpr int EXPAND_ROWS = W >= 16 ? 4 : 2;  // rows per expand tile: 16 accumulators (8 with AVX2's 16 registers)
+constexpr int64_t TASK_ROWS = 4;  // a segment's rows per task: each task reads its slot's A and B^T once
 constexpr int64_t GRAIN_FMAS = 1 << 15;  // multiply-adds per task below which a thread is not worth waking
 constexpr int64_t MM_ROWS = 96;  // a segment's rows from which it takes at::mm (measured below)
 
@@ -86,82 +88,77 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
   const TW* btp = bt.data_ptr<TW>();
   auto rank_of = [&](const Segment& s, int64_t p) { return ranks[s.slot * np + p]; };
 
-  // shrink: tasks of (segment, piece, SHRINK_ROWS rows), each over all the piece's A rows
+  // NOTE: one parallel region per call, of tasks (segment, TASK_ROWS rows) that shrink then expand their
+  // own rows: no task reads what another writes, and a decode step's 120 calls pay one fork-join each
+  // (two, shrink then expand, cost ~10% of a step in libgomp's barriers)
+  struct Task {
+    int64_t seg, row;
+  };
+  std::vector<Task> tasks;
+  int64_t fmas = 0;
+  for (int64_t g = 0; g < static_cast<int64_t>(segs.size()); ++g) {
+    int64_t per_row = 0;
+    for (int64_t p = 0; p < np; ++p) per_row += rank_of(segs[g], p) * (n + pieces[p].col1 - pieces[p].col0);
+    if (per_row == 0) continue;
+    for (int64_t i = segs[g].begin; i < segs[g].end; i += TASK_ROWS) tasks.push_back({g, i});
+    fmas += (segs[g].end - segs[g].begin) * per_row;
+  }
+  if (tasks.empty()) return;
   std::vector<float> hbuf(nrows * hw);
   float* h = hbuf.data();
-  struct ShrinkTask {
-    int64_t seg, piece, row;
-  };
-  std::vector<ShrinkTask> shrink;
-  int64_t fmas = 0;
-  for (int64_t g = 0; g < static_cast<int64_t>(segs.size()); ++g)
-    for (int64_t p = 0; p < np; ++p) {
-      const int64_t r = rank_of(segs[g], p);
-      if (r == 0) continue;
-      for (int64_t i = segs[g].begin; i < segs[g].end; i += SHRINK_ROWS) shrink.push_back({g, p, i});
-      fmas += (segs[g].end - segs[g].begin) * r * n;
-    }
-  if (shrink.empty()) return;
-  const int64_t shrink_grain = std::max<int64_t>(1, GRAIN_FMAS * static_cast<int64_t>(shrink.size()) / std::max<int64_t>(fmas, 1));
-  at::parallel_for(0, static_cast<int64_t>(shrink.size()), shrink_grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const ShrinkTask& task = shrink[t];
-      const Segment& s = segs[task.seg];
-      const Piece& pc = pieces[task.piece];
-      const int64_t r = rank_of(s, task.piece);
-      const int nr = static_cast<int>(std::min<int64_t>(SHRINK_ROWS, s.end - task.row));
-      const TX* xs[SHRINK_ROWS];
-      for (int i = 0; i < nr; ++i) xs[i] = xp + rows[task.row + i] * xs_stride;
-      const TW* a_rows = ap + s.slot * a_slot + pc.row0 * n;
-      for (int64_t j = 0; j < r; j += SHRINK_COLS) {
-        const int nc = static_cast<int>(std::min<int64_t>(SHRINK_COLS, r - j));
-        const TW* as[SHRINK_COLS];
-        for (int c = 0; c < nc; ++c) as[c] = a_rows + (j + c) * n;
-        float* hs[SHRINK_ROWS];
-        for (int i = 0; i < nr; ++i) hs[i] = h + (task.row + i) * hw + pc.row0 + j;
-        dot_tile(xs, nr, as, nc, n, hs);
-      }
-    }
-  });
-
-  // expand: tasks of (segment, column tile of one piece); a task owns its columns of its rows
   constexpr int64_t TILE = EXPAND_VECS * W;
-  struct ExpandTask {
-    int64_t seg, piece, col0, col1;
-  };
-  std::vector<ExpandTask> expand;
-  fmas = 0;
-  for (int64_t g = 0; g < static_cast<int64_t>(segs.size()); ++g)
-    for (int64_t p = 0; p < np; ++p) {
-      const int64_t r = rank_of(segs[g], p);
-      if (r == 0) continue;
-      for (int64_t c = pieces[p].col0; c < pieces[p].col1; c += TILE)
-        expand.push_back({g, p, c, std::min(c + TILE, pieces[p].col1)});
-      fmas += (segs[g].end - segs[g].begin) * r * (pieces[p].col1 - pieces[p].col0);
-    }
-  const int64_t expand_grain = std::max<int64_t>(1, GRAIN_FMAS * static_cast<int64_t>(expand.size()) / std::max<int64_t>(fmas, 1));
-  at::parallel_for(0, static_cast<int64_t>(expand.size()), expand_grain, [&](int64_t t0, int64_t t1) {
+  const int64_t grain = std::max<int64_t>(1, GRAIN_FMAS * static_cast<int64_t>(tasks.size()) / std::max<int64_t>(fmas, 1));
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const ExpandTask& task = expand[t];
-      const Segment& s = segs[task.seg];
-      const int64_t r = rank_of(s, task.piece);
-      const int64_t row0 = pieces[task.piece].row0;
-      const TW* b = btp + s.slot * bt_slot;  // (R, out)
-      const int64_t width = task.col1 - task.col0, nv = width / W;
-      for (int64_t i = s.begin; i < s.end; ++i) {
-        const float* hi = h + i * hw + row0;
-        TX* yr = yp + rows[i] * ys_stride + task.col0;
-        vf acc[EXPAND_VECS] = {};
-        for (int64_t j = 0; j < r; ++j) {
-          const vf hj = splat(hi[j]);
-          const TW* bj = b + j * out + task.col0;
-          for (int64_t v = 0; v < nv; ++v) acc[v] = fmadd(hj, load_vec(bj + v * W), acc[v]);
+      const Segment& s = segs[tasks[t].seg];
+      const int64_t first = tasks[t].row, last = std::min(first + TASK_ROWS, s.end);
+      for (int64_t p = 0; p < np; ++p) {
+        const int64_t r = rank_of(s, p);
+        if (r == 0) continue;
+        const Piece& pc = pieces[p];
+        // shrink: h[i, pR + j] = x[rows[i]] . a[s, pR + j], SHRINK_ROWS x SHRINK_COLS at a time
+        const TW* a_rows = ap + s.slot * a_slot + pc.row0 * n;
+        for (int64_t i = first; i < last; i += SHRINK_ROWS) {
+          const int nr = static_cast<int>(std::min<int64_t>(SHRINK_ROWS, last - i));
+          const TX* xs[SHRINK_ROWS];
+          for (int k = 0; k < nr; ++k) xs[k] = xp + rows[i + k] * xs_stride;
+          for (int64_t j = 0; j < r; j += SHRINK_COLS) {
+            const int nc = static_cast<int>(std::min<int64_t>(SHRINK_COLS, r - j));
+            const TW* as[SHRINK_COLS];
+            for (int c = 0; c < nc; ++c) as[c] = a_rows + (j + c) * n;
+            float* hs[SHRINK_ROWS];
+            for (int k = 0; k < nr; ++k) hs[k] = h + (i + k) * hw + pc.row0 + j;
+            dot_tile(xs, nr, as, nc, n, hs);
+          }
         }
-        for (int64_t v = 0; v < nv; ++v) store_vec(yr + v * W, load_vec(yr + v * W) + acc[v]);
-        for (int64_t c = nv * W; c < width; ++c) {
-          float sum = 0.0f;
-          for (int64_t j = 0; j < r; ++j) sum += hi[j] * value(b + j * out + task.col0 + c);
-          put(yr + c, value(yr + c) + sum);
+        // expand: per column tile, EXPAND_ROWS rows share each load of bt. NOTE: a row's sums keep their
+        // order (j ascending) whatever the rows beside it
+        const TW* b = btp + s.slot * bt_slot;  // (R, out)
+        for (int64_t col0 = pc.col0; col0 < pc.col1; col0 += TILE) {
+          const int64_t width = std::min(TILE, pc.col1 - col0), nv = width / W;
+          for (int64_t i0 = first; i0 < last; i0 += EXPAND_ROWS) {
+            const int nr = static_cast<int>(std::min<int64_t>(EXPAND_ROWS, last - i0));
+            vf acc[EXPAND_ROWS][EXPAND_VECS] = {};
+            for (int64_t j = 0; j < r; ++j) {
+              const TW* bj = b + j * out + col0;
+              vf bv[EXPAND_VECS];
+              for (int64_t v = 0; v < nv; ++v) bv[v] = load_vec(bj + v * W);
+              for (int k = 0; k < nr; ++k) {
+                const vf hj = splat(h[(i0 + k) * hw + pc.row0 + j]);
+                for (int64_t v = 0; v < nv; ++v) acc[k][v] = fmadd(hj, bv[v], acc[k][v]);
+              }
+            }
+            for (int k = 0; k < nr; ++k) {
+              const float* hi = h + (i0 + k) * hw + pc.row0;
+              TX* yr = yp + rows[i0 + k] * ys_stride + col0;
+              for (int64_t v = 0; v < nv; ++v) store_vec(yr + v * W, load_vec(yr + v * W) + acc[k][v]);
+              for (int64_t c = nv * W; c < width; ++c) {
+                float sum = 0.0f;
+                for (int64_t j = 0; j < r; ++j) sum += hi[j] * value(b + j * out + col0 + c);
+                put(yr + c, value(yr + c) + sum);
+              }
+            }
+          }
         }
       }
     }
