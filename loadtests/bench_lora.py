@@ -47,10 +47,14 @@ SYSTEMS = ("attnserve", "attnserve_base", "vllm")
 BASE_TARGET, VLLM_TARGET, LOAD_TARGET_MS = 0.8, 1.2, 100.0  # issue 39
 
 
+def bench_adapter(args, out: Path, seed: int) -> Path:
+    """A random PEFT adapter of rank --rank on all seven projections of the model."""
+    return make_adapter(resolve_model(args.model), out, seed=seed, b_std=0.02, r=args.rank, lora_alpha=2 * args.rank,
+                        target_modules=[*ATTENTION, *MLP])
+
+
 def make_adapters(args, out: Path) -> list[Path]:
-    model = resolve_model(args.model)
-    return [make_adapter(model, out / f"a{i}", seed=i, b_std=0.02, r=args.rank, lora_alpha=2 * args.rank,
-                         target_modules=[*ATTENTION, *MLP]) for i in range(args.adapters)]
+    return [bench_adapter(args, out / f"a{i}", i) for i in range(args.adapters)]
 
 
 def _engine(args, max_loras: int) -> LLMEngine:
@@ -111,8 +115,7 @@ def load_times(args, engine: LLMEngine, root: Path) -> list[float]:
     """Loads of fresh rank --rank adapters into a slot (the engine is idle: the least recently used is evicted)."""
     times = []
     for i in range(args.repeats):
-        path = make_adapter(resolve_model(args.model), root / f"load{i}", seed=100 + i, b_std=0.02, r=args.rank,
-                            lora_alpha=2 * args.rank, target_modules=[*ATTENTION, *MLP])
+        path = bench_adapter(args, root / f"load{i}", 100 + i)
         answer = engine.load_lora(adapter_ref(f"load{i}", str(path)))
         assert answer.error is None, answer.error
         times.append(answer.seconds * 1000)

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from models.gguf_file import read_gguf
 from models.hf_checkpoint import HFCheckpoint, LazyTensors
 from models.hf_config import LLAMA_FAMILY
+from models.lora_format import PICKLE_SUFFIXES
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 

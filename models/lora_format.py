@@ -86,7 +86,8 @@ class AdapterError(ValueError):
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
-# models/checkpoint.py's (that module imports torch): weights that unpickle, which can run code
+# weights that unpickle, which can run code: refused here and by models/checkpoint.py (one list, kept in
+# this torch-free module so that the API layer can check adapters)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 MAX_HEADER = 100 << 20  # bytes: safetensors' own cap on the JSON header
 DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
