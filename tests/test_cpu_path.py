@@ -269,7 +269,7 @@ def test_int8_activations_choice(caps, requested, expected):
 def test_int8_activations_reject_unknown_modes_and_name_each_levels_kernel():
     with pytest.raises(ValueError, match="activations must be one of auto, exact, int8"):
         int8_code_bits(ZEN4, "fp8")
-    assert INT8_KERNELS == {"amx": "int8-vnni", "avx512_bf16": "int8-vnni", "avx512": "int8-avx512",
+    assert INT8_KERNELS == {"amx": "int8-amx", "avx512_bf16": "int8-vnni", "avx512": "int8-avx512",
                             "avx2": "int8-avx2", "generic": "int8-portable"}
     assert set(INT8_KERNELS) == set(ISA_LEVELS)
 
@@ -389,6 +389,22 @@ def test_lower_levels_hold_no_higher_instructions(lower_levels):
         avx2, generic = _disassembly(build(name, "avx2")), _disassembly(build(name, "generic"))
         assert "%ymm" in avx2 and "%zmm" not in avx2
         assert "%ymm" not in generic and "%zmm" not in generic
+
+
+@pytest.mark.caps
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86 levels")
+def test_only_the_tile_library_holds_tile_code():
+    """At the amx level q8_linear is built with AMX's int8 tiles (compiled here whatever the CPU: never run
+    unless the tiles were granted); every other library loads its avx512_bf16 build."""
+    from models.native.toolchain import SOURCES, TILE_LIBRARIES, build, build_level, flags
+
+    assert TILE_LIBRARIES == {"q8_linear"}
+    for name in SOURCES:
+        assert build_level(name, "amx") == ("amx" if name in TILE_LIBRARIES else "avx512_bf16")
+        assert ("-mamx-int8" in flags(name, "amx")) == (name in TILE_LIBRARIES)
+    code = _disassembly(build("q8_linear", "amx"))
+    assert all(op in code for op in ("ldtilecfg", "tdpbssd", "tdpbsud", "tilerelease"))
+    assert "tdpb" not in _disassembly(build("q8_linear", "avx512_bf16"))
 
 
 @pytest.mark.caps

@@ -19,6 +19,13 @@
 //   4-bit codes (KS = 8): lane j, byte t = code(j, k + t) | code(j, k + 4 + t) << 4.
 // The x side of a step is 4 bytes broadcast to every lane. vpmaddubsw multiplies unsigned by signed
 // bytes: 4-bit codes are unsigned; signed 8-bit codes go in as |w| against x with w's sign.
+//
+// AMX (the amx build): a call's whole tiles of 16 rows take the tiles, the rest the vector tiles. Per
+// block, a tile of x (16 rows x the block's bytes) times a panel's codes (tdpbssd for signed 8-bit codes,
+// whose panel steps are already the tiles' 4-byte rows; tdpbsud for 4-bit codes, unpacked once per call
+// and panel) into an int32 tile: the same exact integer sums, then the same fp32 steps per block as the
+// vector tiles, so a row's bits do not depend on which path took it. Two tile sets alternate, so that a
+// block's dot products run while the one before is scaled.
 #include <torch/library.h>
 
 #include <c10/util/BFloat16.h>
@@ -160,6 +167,20 @@ struct Packed {
   const uint8_t* panel(int64_t p) const { return codes + panel_offset(p, panel_bytes, LANE_BYTES); }
 };
 
+// A thread's activation buffers, kept between calls: a prefill's are megabytes, which fresh each call cost
+// a page fault per 4 KiB and a zeroing (14% of a 2,048-token step here). 64-byte aligned, so that no tile
+// row straddles two cache lines
+template <typename T>
+T* scratch(std::unique_ptr<T[]>& buf, int64_t& size, int64_t n) {
+  constexpr int64_t ALIGN = 64 / sizeof(T);
+  if (n > size) {
+    buf.reset(new T[n + ALIGN]);  // NOTE: not value-initialised: every element is written before it is read
+    size = n;
+  }
+  const auto at = reinterpret_cast<uintptr_t>(buf.get());
+  return buf.get() + ((64 - at % 64) % 64) / sizeof(T);
+}
+
 // Rows of x rounded to int8 per block of `block` inputs
 struct Acts {
   const int8_t* q;  // (rows, K)
@@ -240,8 +261,142 @@ constexpr std::array<TileFn<Y>, sizeof...(R)> tiles(std::integer_sequence<int, R
   return {&tile<F, Y, R + 1, 2>...};
 }
 
+#if defined(__AMX_INT8__)
+constexpr int64_t AMX_ROWS = 16;  // rows per x tile: from this many rows on, a call's whole tiles of rows take AMX
+
+// Two sets of three tiles, so that one block's dot products run while the block before is scaled:
+// x (16 rows x a block's bytes: 0, 3), a panel's codes of the block (block / 4 rows of W features x 4
+// bytes: 1, 4) and their int32 sums (16 rows x W: 2, 5). Per thread: each task loads it.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void configure_tiles(int64_t block) {
+  TileConfig c;
+  for (int t : {0, 3}) c.rows[t] = AMX_ROWS, c.colsb[t] = uint16_t(block);
+  for (int t : {1, 4}) c.rows[t] = uint8_t(block / 4), c.colsb[t] = W * 4;
+  for (int t : {2, 5}) c.rows[t] = AMX_ROWS, c.colsb[t] = W * 4;
+  // NOTE: the builtin does not tell GCC that it reads c: without the barrier the stores above are dropped
+  // and the first tile instruction faults (#UD: tiles not configured)
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+// The tile instructions name their tiles in the instruction itself: one macro per set
+#define ATTNSERVE_DOT_BLOCK(X, C, S, BITS, x, k_dim, codes, stride) \
+  do {                                                               \
+    _tile_zero(S);                                                   \
+    _tile_loadd(X, x, k_dim);                                        \
+    _tile_loadd(C, codes, stride);                                   \
+    if constexpr ((BITS) == 8)                                       \
+      _tile_dpbssd(S, X, C);                                         \
+    else                                                             \
+      _tile_dpbsud(S, X, C);                                         \
+  } while (0)
+
+// A panel's codes as the code tiles take them: 8-bit codes as packed (a step is a tile row, steps
+// STEP_STRIDE apart); 4-bit codes unpacked once per call and panel into `rows` (LANE_BYTES apart)
+template <int BITS>
+inline std::pair<const uint8_t*, int64_t> tile_codes(const uint8_t* panel, int64_t k_dim, uint8_t* rows) {
+  if constexpr (BITS == 8) {
+    return {panel, STEP_STRIDE};
+  } else {
+    for (int64_t s = 0; s < k_dim / 8; ++s) {
+      vq lo, hi;
+      nibbles(load_q(panel + s * STEP_STRIDE), lo, hi);
+      std::memcpy(rows + (2 * s) * LANE_BYTES, &lo, LANE_BYTES);
+      std::memcpy(rows + (2 * s + 1) * LANE_BYTES, &hi, LANE_BYTES);
+    }
+    return {rows, LANE_BYTES};
+  }
+}
+
+// GCC's tile intrinsics are asm statements that name no memory: these tell the compiler that a tile store
+// wrote `buf` (so reads of it stay after it) and that a tile load is about to read memory stored before.
+template <typename T>
+inline void tile_wrote(T& buf) { asm volatile("" : "+m"(*reinterpret_cast<char (*)[sizeof(T)]>(&buf))); }
+inline void tile_reads_memory() { asm volatile("" : : : "memory"); }
+
+// Block i's dot products are issued before block i - 1's sums are scaled. The scaling, not the tiles, bounds
+// the kernel: 16 rows x (convert, 2 multiplies, an add) per block and panel take ~4x a block's tile work
+// (AMX Xeon: 60 ns a block with it, 7 without), so deeper pipelines measured the same.
+constexpr int SUM_BUFFERS = 2, LAG = 1;
+
+// y[16 rows, panel p): tile<F, Y, 16, 1>'s result, its integer sums from the tiles. Blocks alternate
+// between the two tile sets.
+template <typename F, typename Y>
+void amx_tile(const Acts& a, const Packed& w, int64_t p, const uint8_t* codes, int64_t stride, Y* y, int64_t n,
+              const float* bias) {
+  constexpr int R = AMX_ROWS;
+  const int64_t blocks_per_group = w.group / a.block, code_step = a.block / 4 * stride, blocks = a.blocks;
+  vf acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = vf{};
+  alignas(64) int32_t sums[SUM_BUFFERS][R][W];
+  vf s{};
+  for (int64_t i = 0, j = -LAG, g = 0, e = 0; j < blocks; ++i, ++j) {  // block i's dot products, block j's scaling
+    if (i >= 1 && i <= blocks) {  // block i - 1 -> its buffer
+      if ((i - 1) % 2 == 0)
+        _tile_stored(2, sums[(i - 1) % SUM_BUFFERS], LANE_BYTES);
+      else
+        _tile_stored(5, sums[(i - 1) % SUM_BUFFERS], LANE_BYTES);
+      tile_wrote(sums);
+    }
+    if (i < blocks) {
+      const int8_t* x = a.q + i * a.block;
+      const uint8_t* c = codes + i * code_step;
+      if (i % 2 == 0)
+        ATTNSERVE_DOT_BLOCK(0, 1, 2, F::BITS, x, a.k_dim, c, stride);
+      else
+        ATTNSERVE_DOT_BLOCK(3, 4, 5, F::BITS, x, a.k_dim, c, stride);
+    }
+    if (j < 0) continue;
+    if (e == 0) s = load_scales<F::HALF>(w.scales, (p * w.groups + g) * W);
+    const int32_t* isum = sums[j % SUM_BUFFERS][0];
+    const float* d = a.d + j;
+    // NOTE: tile<>'s steps, in its order: one multiply, then one add, per block and lane
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+      acc[r] += to_float(load_q(reinterpret_cast<const uint8_t*>(isum + r * W))) * (s * d[r * a.blocks]);
+    if (++e == blocks_per_group) {
+      if constexpr (F::OFFSET) {
+        const vf o = load_scales<F::HALF>(w.offsets, (p * w.groups + g) * W);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[r] += o * a.xq[r * a.groups + g];
+      }
+      e = 0;
+      ++g;
+    }
+  }
+  vf out[R][1];
+  for (int r = 0; r < R; ++r) out[r][0] = acc[r];
+  store_tile<R, 1>(out, y, n, p * W, bias);
+}
+
+// Whole tiles of rows [0, tiled) over panels [p0, p1): the codes of each panel made tile rows once
+template <typename F, typename Y>
+void amx_rows(const Acts& a, const Packed& w, int64_t tiled, int64_t p0, int64_t p1, Y* y, int64_t n,
+              const float* bias) {
+  thread_local std::unique_ptr<uint8_t[]> rows_buf;
+  thread_local int64_t rows_size = 0;
+  uint8_t* rows = scratch(rows_buf, rows_size, F::BITS == 4 ? a.k_dim * W : 0);
+  configure_tiles(a.block);
+  for (int64_t p = p0; p < p1; ++p) {
+    const auto [codes, stride] = tile_codes<F::BITS>(w.panel(p), a.k_dim, rows);
+    tile_reads_memory();  // the unpacked codes
+    for (int64_t r = 0; r < tiled; r += AMX_ROWS) amx_tile<F, Y>(a.rows_from(r), w, p, codes, stride, y + r * n, n, bias);
+  }
+  _tile_release();
+}
+#else
+constexpr int64_t AMX_ROWS = 0;  // no tiles in this build
+#endif
+
 // Quads [u0, u1) of the output: one row takes a quad's four panels at once (four chains, one stream
-// of codes); more rows go two panels at a time, in row blocks that share each load.
+// of codes); more rows go two panels at a time, in row blocks that share each load (on AMX, whole tiles
+// of 16 rows first).
 template <typename F, typename Y>
 void run(const Packed& w, const Acts& a, int64_t m, void* out, int64_t n, const float* bias, int64_t u0, int64_t u1) {
   Y* y = static_cast<Y*>(out);
@@ -252,8 +407,16 @@ void run(const Packed& w, const Acts& a, int64_t m, void* out, int64_t n, const 
   static constexpr auto row_tiles = tiles<F, Y>(std::make_integer_sequence<int, Q8_ROWS>{});
   // NOTE: a quad's padding may hold whole pairs of panels past n: never computed
   const int64_t p1 = std::min(QUAD * u1, (n + 2 * W - 1) / (2 * W) * 2);
+  const int64_t tiled = AMX_ROWS > 0 ? m / std::max<int64_t>(AMX_ROWS, 1) * AMX_ROWS : 0;
+#if defined(__AMX_INT8__)
+  if (tiled > 0) amx_rows<F, Y>(a, w, tiled, QUAD * u0, std::min(QUAD * u1, (n + W - 1) / W), y, n, bias);
+#endif
+  if (tiled == m) return;
+  const Acts rest = a.rows_from(tiled);
   for (int64_t p = QUAD * u0; p < p1; p += 2)
-    row_blocks(m, Q8_ROWS, [&](int64_t r, int nr) { row_tiles[nr - 1](a.rows_from(r), w, p, y + r * n, n, bias); });
+    row_blocks(m - tiled, Q8_ROWS, [&](int64_t r, int nr) {
+      row_tiles[nr - 1](rest.rows_from(r), w, p, y + (tiled + r) * n, n, bias);
+    });
 }
 
 using RunFn = void (*)(const Packed&, const Acts&, int64_t, void*, int64_t, const float*, int64_t, int64_t);
@@ -313,17 +476,6 @@ void quantize_rows(const T* x, int64_t m, int64_t k_dim, int64_t block, int64_t 
   });
 }
 
-// A thread's activation buffers, kept between calls: a prefill's are megabytes, which fresh each call cost
-// a page fault per 4 KiB and a zeroing (14% of a 2,048-token step here)
-template <typename T>
-T* scratch(std::unique_ptr<T[]>& buf, int64_t& size, int64_t n) {
-  if (n > size) {
-    buf.reset(new T[n]);  // NOTE: not value-initialised: every element is written before it is read
-    size = n;
-  }
-  return buf.get();
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& q, const at::Tensor& scale,
                                                     const std::optional<at::Tensor>& offset, int64_t bits,
                                                     int64_t group) {
@@ -376,7 +528,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     // prefill's rows go in chunks too: a row's arithmetic is the same whichever chunk it is in
     const int64_t quads = codes.size(0) / QUAD, item = out.y.element_size();
     const int64_t chunks = m >= PREFILL_ROWS ? std::min<int64_t>(m / PREFILL_ROWS, ROW_TASKS / quads + 1) : 1;
-    const int64_t rows_per = (m + chunks - 1) / chunks;
+    // NOTE: on AMX, chunks of whole x tiles, so that only the call's last rows miss them
+    const int64_t rows_per = AMX_ROWS > 0 ? ((m + chunks - 1) / chunks + AMX_ROWS - 1) / std::max<int64_t>(AMX_ROWS, 1) * AMX_ROWS
+                                          : (m + chunks - 1) / chunks;
     at::parallel_for(0, quads * chunks, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t u = t / chunks, r0 = (t % chunks) * rows_per, r1 = std::min(m, r0 + rows_per);

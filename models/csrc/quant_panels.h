@@ -86,12 +86,19 @@ inline void store_tile(const vf (&acc)[R][NP], Y* y, int64_t n, int64_t n0, cons
     for (int p = 0; p < NP; ++p) std::memcpy(row + p * W, &acc[r][p], sizeof(vf));
     if (bias != nullptr)
       for (int64_t j = 0; j < width; ++j) row[j] += bias[n0 + j];
+    // NOTE: a whole tile's width is a constant: copied inline, not by a call per row
     if constexpr (std::is_same_v<Y, float>) {
-      std::memcpy(y + r * n + n0, row, width * sizeof(float));
+      if (width == NP * W)
+        std::memcpy(y + r * n + n0, row, sizeof row);
+      else
+        std::memcpy(y + r * n + n0, row, width * sizeof(float));
     } else {
       alignas(64) uint16_t bits[NP * W];
       for (int p = 0; p < NP; ++p) store_bf16(bits + p * W, load_f(row + p * W));
-      std::memcpy(y + r * n + n0, bits, width * sizeof(uint16_t));
+      if (width == NP * W)
+        std::memcpy(y + r * n + n0, bits, sizeof bits);
+      else
+        std::memcpy(y + r * n + n0, bits, width * sizeof(uint16_t));
     }
   }
 }

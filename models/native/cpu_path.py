@@ -13,7 +13,8 @@ gathers those facts. The choices, measured on an AVX2-only and an AVX512-BF16 CP
   the bytes at decode); oneDNN's packed kernels otherwise (fp32 weights, or no C++ compiler).
 * at the amx level (AMX's tiles granted: tiles.py), bf16 linears in oneDNN's packed matmuls, which run
   them on the tiles (`amx-bf16`): on an AMX Xeon oneDNN's bf16 beat our panels at every M (15.2 against
-  9.8 GFLOP/s at one token, 1,271 against 120 at 512). Quantized weights keep their kernels (int8-vnni).
+  9.8 GFLOP/s at one token, 1,271 against 120 at 512). Quantized weights with 8-bit activations take
+  AMX's int8 tiles from 16 rows on, VNNI below (`int8-amx`: the same integer sums, so the same bits).
 * attention: the C++ paged kernel built for the ISA level, else gather + SDPA.
 
 No torch at import: `/v1/models` and the wire carry a `CpuPath`. `prepare` (models/cpu_linear.py)
@@ -38,7 +39,7 @@ ACTIVATIONS = ("auto", "exact", "int8")
 INT8_BY_DEFAULT = {"amx": frozenset({4, 8}), "avx512_bf16": frozenset({4, 8}), "avx512": frozenset({4}),
                    "avx2": frozenset({4})}
 # What runs the integer dot products at each level (`CpuPath.activations`)
-INT8_KERNELS = {"amx": "int8-vnni", "avx512_bf16": "int8-vnni", "avx512": "int8-avx512", "avx2": "int8-avx2", "generic": "int8-portable"}
+INT8_KERNELS = {"amx": "int8-amx", "avx512_bf16": "int8-vnni", "avx512": "int8-avx512", "avx2": "int8-avx2", "generic": "int8-portable"}
 
 
 @dataclass(frozen=True)

@@ -48,13 +48,15 @@ FLAGS = ["-O3", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-DNDEBUG"]
 # Per library. paged_attention, quant_linear: their ways through for few and many rows must round alike,
 # row for row (batch invariance), so only the multiply-adds they spell out (simd.h fmadd) are fused,
 # never where the compiler chooses to
-SOURCE_FLAGS = {name: ["-ffp-contract=off"] for name in ("paged_attention", "quant_linear")}
+SOURCE_FLAGS = {name: ["-ffp-contract=off"] for name in ("paged_attention", "quant_linear", "q8_linear")}
 # x86-64-v3 is AVX2 + FMA + F16C + BMI; -v4 adds AVX-512 F/BW/CD/DQ/VL. The portable build has
 # no -march at all: the compiler's baseline (SSE2 on x86-64, NEON on aarch64).
-# The level each library is built for: our kernels have no tile code yet, so the amx level loads the
-# avx512_bf16 build (oneDNN's kernels use the tiles there)
+# The libraries with tile code (q8_linear: AMX int8 tiles for many rows); the others' amx level loads
+# their avx512_bf16 build (oneDNN's kernels use the tiles there)
+TILE_LIBRARIES = frozenset({"q8_linear"})
 BUILD_LEVEL = {"amx": "avx512_bf16"}
 ISA_FLAGS = {
+    "amx": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
     "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"],
     "avx512": ["-march=x86-64-v4"],
     "avx2": ["-march=x86-64-v3"],
@@ -81,13 +83,18 @@ def _version_of(compiler: str) -> str:
     return out.splitlines()[0] if out else compiler
 
 
+def build_level(name: str, isa: str) -> str:
+    """The level `name` is compiled for when this process runs at `isa`."""
+    return isa if name in TILE_LIBRARIES else BUILD_LEVEL.get(isa, isa)
+
+
 def flags(name: str, isa: str) -> list[str]:
-    return FLAGS + SOURCE_FLAGS.get(name, []) + ISA_FLAGS[BUILD_LEVEL.get(isa, isa)]
+    return FLAGS + SOURCE_FLAGS.get(name, []) + ISA_FLAGS[build_level(name, isa)]
 
 
 def library_path(name: str, isa: str) -> Path:
     """Where the library for `isa` lives, named by the level it is built for."""
-    isa = BUILD_LEVEL.get(isa, isa)
+    isa = build_level(name, isa)
     key = hashlib.sha256("\0".join([SOURCES[name].read_text(), *(h.read_text() for h in HEADERS), " ".join(flags(name, isa)), torch.__version__,
                                     compiler_version(), sys.version]).encode()).hexdigest()[:16]
     return cache_dir() / "native" / f"{name}-{isa}-{key}.so"
