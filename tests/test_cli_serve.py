@@ -64,7 +64,7 @@ def test_make_serve_answers_the_readme_snippets_and_drains_on_sigterm(tmp_path):
         from models.native.cpu_features import machine_isa
 
         # --dtype auto: bf16 only where this CPU (or the cap CI runs under) has bf16 arithmetic
-        native_bf16 = machine_isa() == "avx512_bf16"
+        native_bf16 = machine_isa() in ("avx512_bf16", "amx")
         assert path["isa"] == machine_isa() and path["attention"] == f"native-{machine_isa()}"
         # the shipped GGUF as stored: every linear quantized (Q4_1 layers, the Q8_0 head)
         assert (path["dtype"], path["weight_dtype"], path["linear"], path["quantization"]) == (

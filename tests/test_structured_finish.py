@@ -271,9 +271,12 @@ def test_n_samples_each_end_at_their_own_repeat(smol, app):
                   max_tokens=400)
         whole, streamed = await answer(sdk, False, **kw), await answer(sdk, True, **kw)
         assert whole == streamed
+        # NOTE: sampled: a sample may spend its 400 tokens without closing a call (seen on an AMX Xeon); it
+        # then ends by length, and at least one other sample must have stopped at its own repeat
         for content, calls, finish in zip(*whole):
-            assert content is None and calls and len(set(calls)) == len(calls)
-            assert finish in ("tool_calls", "length")
+            assert content is None and len(set(calls)) == len(calls)
+            assert finish in ("tool_calls", "length") if calls else finish == "length"
+        assert any(calls and finish == "tool_calls" for _, calls, finish in zip(*whole))
         stats = await settled(smol)
         assert stats["num_used_blocks"] == 0 and stats["num_unfinished_groups"] == 0
     run(app, test)

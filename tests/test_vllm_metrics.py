@@ -236,8 +236,14 @@ def running_prometheus(target: str, tmp_path: Path):
         proc.wait(timeout=30)
 
 
+class NotReady(Exception):
+    """Prometheus answers 503 until its storage has started (seconds on a loaded machine)."""
+
+
 def promql(prom: str, query: str) -> list[dict]:
     r = httpx.get(f"{prom}/api/v1/query", params={"query": query}, timeout=30)
+    if r.status_code == 503:
+        raise NotReady(r.text)
     assert r.status_code == 200, (query, r.text)
     data = r.json()["data"]
     assert data["resultType"] == "vector", query
@@ -249,7 +255,7 @@ def wait_for(prom: str, query: str, ok, timeout: float = 60) -> list[dict]:
     while time.monotonic() < deadline:
         try:
             rows = promql(prom, query)
-        except httpx.HTTPError:
+        except (httpx.HTTPError, NotReady):
             rows = []
         if ok(rows):
             return rows
