@@ -272,8 +272,9 @@ constexpr std::array<TileFn<Y>, sizeof...(R)> tiles(std::integer_sequence<int, R
   return {&tile<F, Y, R + 1, 2>...};
 }
 
-#if defined(__AMX_INT8__)
 constexpr int64_t AMX_ROWS = 16;  // rows per x tile: from this many rows on, a call's whole tiles of rows take AMX
+#if defined(__AMX_INT8__)
+constexpr bool TILES = true;
 
 // Two sets of three tiles, so that one block's loads are issued while the block before is stored:
 // x (16 rows x a block's bytes: 0, 3), a panel's codes of the block (block / 4 rows of W features x 4
@@ -405,7 +406,7 @@ void amx_rows(const Acts& a, const Packed& w, int64_t tiled, int64_t p0, int64_t
   _tile_release();
 }
 #else
-constexpr int64_t AMX_ROWS = 0;  // no tiles in this build
+constexpr bool TILES = false;  // no tiles in this build
 #endif
 
 // Quads [u0, u1) of the output: one row takes a quad's four panels at once (four chains, one stream
@@ -424,7 +425,7 @@ void run(const Packed& w, const Acts& a, int64_t m, void* out, int64_t n, const 
   // Tiles from 16 rows on for 8-bit codes, from 32 for 4-bit ones (whose vector tiles are as fast up to 32
   // rows; measured on the AMX Xeon, bench_linear: Q4_1 at 32 rows 305 against 303 GFLOP/s, at 64 381 against 326)
   const int64_t min_rows = F::BITS == 8 ? AMX_ROWS : 2 * AMX_ROWS;
-  const int64_t tiled = AMX_ROWS > 0 && m >= min_rows ? m / std::max<int64_t>(AMX_ROWS, 1) * AMX_ROWS : 0;
+  const int64_t tiled = TILES && m >= min_rows ? m / AMX_ROWS * AMX_ROWS : 0;
 #if defined(__AMX_INT8__)
   if (tiled > 0) amx_rows<F, Y>(a, w, tiled, QUAD * u0, std::min(QUAD * u1, (n + W - 1) / W), y, n, bias);
 #endif
@@ -546,8 +547,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     const int64_t quads = codes.size(0) / QUAD, item = out.y.element_size();
     const int64_t chunks = m >= PREFILL_ROWS ? std::min<int64_t>(m / PREFILL_ROWS, ROW_TASKS / quads + 1) : 1;
     // NOTE: on AMX, chunks of whole x tiles, so that only the call's last rows miss them
-    const int64_t rows_per = AMX_ROWS > 0 ? ((m + chunks - 1) / chunks + AMX_ROWS - 1) / std::max<int64_t>(AMX_ROWS, 1) * AMX_ROWS
-                                          : (m + chunks - 1) / chunks;
+    const int64_t rows_per = TILES ? ((m + chunks - 1) / chunks + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS
+                                   : (m + chunks - 1) / chunks;
     at::parallel_for(0, quads * chunks, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t u = t / chunks, r0 = (t % chunks) * rows_per, r1 = std::min(m, r0 + rows_per);
