@@ -393,18 +393,22 @@ def test_lower_levels_hold_no_higher_instructions(lower_levels):
 
 @pytest.mark.caps
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86 levels")
-def test_only_the_tile_library_holds_tile_code():
-    """At the amx level q8_linear is built with AMX's int8 tiles (compiled here whatever the CPU: never run
-    unless the tiles were granted); every other library loads its avx512_bf16 build."""
+def test_only_the_tile_libraries_hold_tile_code():
+    """At the amx level q8_linear is built with AMX's int8 tiles and paged_attention with its bf16 tiles
+    (compiled here whatever the CPU: never run unless the tiles were granted); every other library
+    loads its avx512_bf16 build."""
     from models.native.toolchain import SOURCES, TILE_LIBRARIES, build, build_level, flags
 
-    assert TILE_LIBRARIES == {"q8_linear"}
+    assert TILE_LIBRARIES == {"q8_linear", "paged_attention"}
     for name in SOURCES:
         assert build_level(name, "amx") == ("amx" if name in TILE_LIBRARIES else "avx512_bf16")
-        assert ("-mamx-int8" in flags(name, "amx")) == (name in TILE_LIBRARIES)
+        assert ("-mamx-tile" in flags(name, "amx")) == (name in TILE_LIBRARIES)
     code = _disassembly(build("q8_linear", "amx"))
     assert all(op in code for op in ("ldtilecfg", "tdpbssd", "tdpbsud", "tilerelease"))
-    assert "tdpb" not in _disassembly(build("q8_linear", "avx512_bf16"))
+    code = _disassembly(build("paged_attention", "amx"))
+    assert all(op in code for op in ("ldtilecfg", "tdpbf16ps", "tilerelease"))
+    for name in TILE_LIBRARIES:
+        assert "tdpb" not in _disassembly(build(name, "avx512_bf16"))
 
 
 @pytest.mark.caps

@@ -17,7 +17,8 @@
 // Batch invariance: a query row's output is the same, bit for bit, whichever path computes it (a
 // decode, a row of a speculative verification, a prefill tile) and whatever rows share its call, so
 // neither batching, speculation, chunking nor a prefix-cache hit changes a greedy token. Both paths
-// take the same steps per row: q.k summed over head_dim in order; the online softmax per chunk of
+// take the same steps per row: q.k summed over head_dim in order (in the amx build, on the tiles, 32
+// dims a step, both paths alike: qk_scores); the online softmax per chunk of
 // KEY_CHUNK keys at multiples of KEY_CHUNK (masked keys add exact zeros); each chunk's sum folded in
 // the same tree; the values accumulated key by key. The library is built with -ffp-contract=off, so
 // only the multiply-adds spelled out (fmadd) are fused, in both paths alike.
@@ -42,6 +43,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "simd.h"
 
 namespace {
@@ -402,6 +404,75 @@ constexpr bool bf16_dot() {
 inline __m512bh load_bf16_pairs(const void* p) { return (__m512bh)_mm512_loadu_si512(p); }
 #endif
 
+// q.k on AMX tiles (the amx build): 16 keys x 16 query rows per chunk, `tdpbf16ps` over 32 dims a step,
+// K's rows as tile A and the rows' q pairs ([pair][row], as a prefill tile keeps them) as tile B. Decode
+// and prefill both take their bf16 scores this way, with the same operands, so a row's bits do not
+// depend on its path (the file's head). NOTE: vdpbf16ps runs at half the fp32 FMA's multiply rate on
+// the AMX Xeon, and the q.k of a prefill chunk was 40% of its time.
+#if defined(__AMX_BF16__)
+constexpr bool QK_TILES = true;
+
+// Tiles 0, 6: 16 K rows x 32 bf16 dims; 1: 16 dim pairs x 16 rows' q pairs; 2-5: scores, 16 keys x 16 rows
+inline void configure_qk_tiles() {
+  TileConfig c;
+  for (int t : {0, 1, 2, 3, 4, 5, 6}) c.rows[t] = 16, c.colsb[t] = 64;
+  load_tile_config(c);
+}
+
+// scores[key][row] = sum over head_dim (`steps` x 32 dims, in order) of k row . q row: K rows `k_stride`
+// bytes apart, q's pairs as [pair][16 rows]
+inline void qk_scores(const void* k, int64_t k_stride, const uint32_t* q_pairs, int steps, float* scores) {
+  asm volatile("" : : : "memory");  // the rows written before are what the tile loads read
+  _tile_zero(2);
+  for (int s = 0; s < steps; ++s) {
+    _tile_loadd(0, static_cast<const char*>(k) + 64 * s, k_stride);
+    _tile_loadd(1, q_pairs + 16 * 16 * s, 64);
+    _tile_dpbf16ps(2, 0, 1);
+  }
+  _tile_stored(2, scores, 64);
+  asm volatile("" : : : "memory");  // and the scores are read after the store
+}
+
+// qk_scores for `n` (1-4) chunks at once, chunk c's K rows at k + c * chunk_bytes: their dot products
+// issued side by side (one chunk's alone waits on each step's latency), each chunk's steps in order
+inline void qk_scores4(const void* k, int64_t chunk_bytes, int64_t k_stride, const uint32_t* q_pairs, int steps,
+                       int n, float* scores) {
+  const char* kc = static_cast<const char*>(k);
+  asm volatile("" : : : "memory");
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  for (int s = 0; s < steps; ++s) {
+    _tile_loadd(1, q_pairs + 16 * 16 * s, 64);
+    _tile_loadd(0, kc + 64 * s, k_stride);
+    _tile_dpbf16ps(2, 0, 1);
+    if (n > 1) {
+      _tile_loadd(6, kc + chunk_bytes + 64 * s, k_stride);
+      _tile_dpbf16ps(3, 6, 1);
+    }
+    if (n > 2) {
+      _tile_loadd(0, kc + 2 * chunk_bytes + 64 * s, k_stride);
+      _tile_dpbf16ps(4, 0, 1);
+    }
+    if (n > 3) {
+      _tile_loadd(6, kc + 3 * chunk_bytes + 64 * s, k_stride);
+      _tile_dpbf16ps(5, 6, 1);
+    }
+  }
+  _tile_stored(2, scores, 64);
+  if (n > 1) _tile_stored(3, scores + 256, 64);
+  if (n > 2) _tile_stored(4, scores + 512, 64);
+  if (n > 3) _tile_stored(5, scores + 768, 64);
+  asm volatile("" : : : "memory");
+}
+#else
+constexpr bool QK_TILES = false;
+inline void configure_qk_tiles() {}
+inline void qk_scores(const void*, int64_t, const uint32_t*, int, float*) {}
+inline void qk_scores4(const void*, int64_t, int64_t, const uint32_t*, int, int, float*) {}
+#endif
+
 // A decode: one query token, KV heads [first, first + num), each head's group of query heads
 // as rows. A head's K rows are transposed (keys as lanes), so each row's scores are head_dim
 // multiply-adds in order, as a prefill tile's lane takes them; DECODE_CHUNKS chunks at a time, whose
@@ -441,7 +512,19 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
   using K = KRow<T, C>;
   const K* k_rows[SPAN];
   const bool bf16_path = bf16_dot<T, K, NV>() && L.head_dim == Dp;  // else q.k on fp32 copies
+  constexpr bool TILED = QK_TILES && bf16_dot<T, K, NV>();
+  const bool tile_path = TILED && bf16_path;  // q.k on the tiles
   const int cols = bf16_path ? Dp / 2 : Dp;  // 32-bit columns per K row
+  // tile path: the rows' q pairs [pair][16 rows], and a head's scores [chunk][key][16 rows], per 16 rows
+  constexpr int SCORES = NC * KC * 16;
+  alignas(64) uint32_t q_pairs[TILED ? (MAX_TILE_ROWS / 16) * (Dp / 2) * 16 : 1];
+  alignas(64) float chunk_scores[TILED ? (MAX_TILE_ROWS / 16) * SCORES : 1];
+  if (tile_path) {  // NOTE: lanes past `rows` are left as they are: their scores' columns are never read
+    for (int r = 0; r < rows; ++r) {
+      const T* qr = q + token * L.q_stride_t + (first_qhead + r) * L.q_stride_h;
+      for (int j = 0; j < Dp / 2; ++j) std::memcpy(q_pairs + ((r / 16) * (Dp / 2) + j) * 16 + r % 16, qr + 2 * j, 4);
+    }
+  }
 
   // NOTE: a span's K and V rows for all the item's heads (adjacent in a row) are first copied
   // out in address order: one sequential read per block, which DRAM streams 2-3x faster than
@@ -492,8 +575,16 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
         kr[t] = kf + t * Dp;
         vr[t] = vfb + t * Dp;
       }
+      if (tile_path) {  // the head's rows' scores, chunk by chunk (rows of keys outside [t0, nk) are masked below)
+        const int r0 = hh * group;
+        const int64_t row_bytes = span * int64_t(sizeof(K));
+        for (int g0 = r0 - r0 % 16; g0 < r0 + group; g0 += 16) {
+          qk_scores4(ks + hh * L.head_dim, KC * row_bytes, row_bytes, q_pairs + (g0 / 16) * (Dp / 2) * 16, Dp / 32,
+                     num_chunks, chunk_scores + (g0 / 16) * SCORES);
+        }
+      }
       // K^T, W keys x W columns at a time; the chunks past the span's keys are zeros
-      for (int cc = 0; cc < NC; ++cc) {
+      for (int cc = 0; cc < NC && !tile_path; ++cc) {
         float* kTc = kT + cc * Dp * KC;
         if (cc >= num_chunks) {
           std::fill(kTc, kTc + cols * KC, 0.f);
@@ -516,7 +607,14 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
         for (int i = 0; i < NC * CH; ++i) s[i] = vf{};
         if constexpr (bf16_dot<T, K, NV>()) {
 #if ATTNSERVE_BF16_DOT
-          if (bf16_path) {  // per pair of dims: the row's pair, broadcast, against each key's pair
+          if (tile_path) {  // the row's column of each chunk's scores
+            const float* column = chunk_scores + (r / 16) * SCORES + r % 16;
+            const __m512i keys = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                    _mm512_set1_epi32(16));
+            for (int cc = 0; cc < num_chunks; ++cc)
+              for (int c = 0; c < CH; ++c)
+                s[cc * CH + c] = (vf)_mm512_i32gather_ps(keys, column + (cc * KC + c * W) * 16, 4) * scale;
+          } else if (bf16_path) {  // per pair of dims: the row's pair, broadcast, against each key's pair
             const T* qr = q + token * L.q_stride_t + (first_qhead + r) * L.q_stride_h;
             __m512 st[NC];
             for (int cc = 0; cc < NC; ++cc) st[cc] = _mm512_setzero_ps();
@@ -611,6 +709,10 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
   alignas(64) K kb[std::is_same_v<K, C> ? 1 : KC * Dp];  // widened K rows, where they are widened
   const K* k_rows[KC];
   const bool bf16_path = bf16_dot<T, K, NV>() && L.head_dim == Dp;
+  constexpr bool TILED = QK_TILES && bf16_dot<T, K, NV>();
+  const bool tile_path = TILED && bf16_path;  // q.k on the tiles
+  alignas(64) uint16_t k_tile[TILED ? KC * Dp : 1];  // tile path: the chunk's K rows, side by side
+  alignas(64) float chunk_scores[TILED ? KC * W : 1];
   vi pos;  // each lane's token position; -1 for unused lanes (no key is visible)
   vi lo;  // each lane's first visible key (its window's start)
   vf m = splat(NEG_INF), lsum = vf{};  // the online softmax's running max and sum, per lane
@@ -654,7 +756,11 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
     for (int t = 0; t < KC; ++t) s[t] = vf{};
     if constexpr (bf16_dot<T, K, NV>()) {
 #if ATTNSERVE_BF16_DOT
-      if (bf16_path) {  // per pair of dims: the lanes' q pairs against each key's pair, broadcast
+      if (tile_path) {
+        for (int t = 0; t < KC; ++t) std::memcpy(k_tile + t * Dp, k_rows[t], Dp * sizeof(uint16_t));
+        qk_scores(k_tile, Dp * int64_t(sizeof(uint16_t)), qT2, Dp / 32, chunk_scores);
+        for (int t = 0; t < KC; ++t) s[t] = load(chunk_scores + t * W) * scale;
+      } else if (bf16_path) {  // per pair of dims: the lanes' q pairs against each key's pair, broadcast
         // NOTE: all KEY_CHUNK keys, into sums of their own: fixed trip counts keep them in registers
         __m512 st[KC];
         for (int t = 0; t < KC; ++t) st[t] = _mm512_setzero_ps();
@@ -772,15 +878,22 @@ void attend_all(const T* q, T* out, const C* kc, const C* vc, const std::vector<
                 float v_scale, const Variant& var) {
   const int64_t num_items = int64_t(items.size());
   const int num_threads = std::max(1, std::min<int>(at::get_num_threads(), int(num_items)));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-  for (int64_t i = 0; i < num_items; ++i) {
-    const WorkItem& w = items[i];
-    const SeqView sv{tables + w.seq * L.table_stride, lens[w.seq], starts[w.seq], starts[w.seq + 1] - starts[w.seq]};
-    if (sv.num_queries == 1) {
-      attend_decode<T, C, NV>(w, sv, q, out, kc, vc, L, scale, v_scale, var);
-    } else {
-      attend_rows<T, C, NV>(w, sv, q, out, kc, vc, L, scale, v_scale, var);
+#pragma omp parallel num_threads(num_threads)
+  {
+    if constexpr (QK_TILES) configure_qk_tiles();  // per thread, once a call
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; ++i) {
+      const WorkItem& w = items[i];
+      const SeqView sv{tables + w.seq * L.table_stride, lens[w.seq], starts[w.seq], starts[w.seq + 1] - starts[w.seq]};
+      if (sv.num_queries == 1) {
+        attend_decode<T, C, NV>(w, sv, q, out, kc, vc, L, scale, v_scale, var);
+      } else {
+        attend_rows<T, C, NV>(w, sv, q, out, kc, vc, L, scale, v_scale, var);
+      }
     }
+#if defined(__AMX_BF16__)
+    _tile_release();
+#endif
   }
 }
 

@@ -35,6 +35,7 @@
 #include <memory>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "quant_panels.h"
 
 namespace {
@@ -279,21 +280,12 @@ constexpr bool TILES = true;
 // Two sets of three tiles, so that one block's loads are issued while the block before is stored:
 // x (16 rows x a block's bytes: 0, 3), a panel's codes of the block (block / 4 rows of W features x 4
 // bytes: 1, 4) and their int32 sums (16 rows x W: 2, 5). Per thread: each task loads it.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 inline void configure_tiles(int64_t block) {
   TileConfig c;
   for (int t : {0, 3}) c.rows[t] = AMX_ROWS, c.colsb[t] = uint16_t(block);
   for (int t : {1, 4}) c.rows[t] = uint8_t(block / 4), c.colsb[t] = W * 4;
   for (int t : {2, 5}) c.rows[t] = AMX_ROWS, c.colsb[t] = W * 4;
-  // NOTE: the builtin does not tell GCC that it reads c: without the barrier the stores above are dropped
-  // and the first tile instruction faults (#UD: tiles not configured)
-  asm volatile("" : : "r"(&c) : "memory");
-  _tile_loadconfig(&c);
+  load_tile_config(c);
 }
 
 // The tile instructions name their tiles in the instruction itself: one macro per set

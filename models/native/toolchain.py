@@ -51,12 +51,12 @@ FLAGS = ["-O3", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-DNDEBUG"]
 SOURCE_FLAGS = {name: ["-ffp-contract=off"] for name in ("paged_attention", "quant_linear", "q8_linear")}
 # x86-64-v3 is AVX2 + FMA + F16C + BMI; -v4 adds AVX-512 F/BW/CD/DQ/VL. The portable build has
 # no -march at all: the compiler's baseline (SSE2 on x86-64, NEON on aarch64).
-# The libraries with tile code (q8_linear: AMX int8 tiles for many rows); the others' amx level loads
-# their avx512_bf16 build (oneDNN's kernels use the tiles there)
-TILE_LIBRARIES = frozenset({"q8_linear"})
+# The libraries with tile code (q8_linear: AMX int8 tiles for many rows; paged_attention: q.k on bf16
+# tiles); the others' amx level loads their avx512_bf16 build (oneDNN's kernels use the tiles there)
+TILE_LIBRARIES = frozenset({"q8_linear", "paged_attention"})
 BUILD_LEVEL = {"amx": "avx512_bf16"}
 ISA_FLAGS = {
-    "amx": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
+    "amx": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-int8", "-mamx-bf16"],
     "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"],
     "avx512": ["-march=x86-64-v4"],
     "avx2": ["-march=x86-64-v3"],
