@@ -178,7 +178,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"timezone": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Z][a-z]+$"}},
     "required": ["timezone"], "additionalProperties": False}}}
-# at temperature 0 the default model answers this with get_time, then get_weather for Tokyo again and again
+# at temperature 0 the default model answers this with calls it then repeats again and again (which first: the CPU's path)
 REPEATS = [{"role": "user", "content": "Weather in Paris and London, and the time in Tokyo?"}]
 
 
@@ -261,7 +261,10 @@ def test_max_tokens_keeps_the_complete_calls_streamed_and_not(app):
         whole, streamed = await answer(sdk, False, **kw), await answer(sdk, True, **kw)
         assert whole == streamed
         (content,), (calls,), (finish,) = whole
-        assert finish == "length" and content is None and calls and calls[0][0] == "get_time"
+        assert finish == "length" and content is None and calls
+        # NOTE: which tool comes first depends on the CPU's path (get_time on Zen 4, get_weather on the AMX
+        # Xeon's tiles); every call kept is whole: a named tool and arguments that parse to an object
+        assert all(name in ("get_weather", "get_time") and isinstance(json.loads(args), dict) for name, args in calls)
     run(app, test)
 
 
