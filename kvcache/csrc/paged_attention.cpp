@@ -419,26 +419,13 @@ inline void configure_qk_tiles() {
   load_tile_config(c);
 }
 
-// scores[key][row] = sum over head_dim (`steps` x 32 dims, in order) of k row . q row: K rows `k_stride`
-// bytes apart, q's pairs as [pair][16 rows]
-inline void qk_scores(const void* k, int64_t k_stride, const uint32_t* q_pairs, int steps, float* scores) {
-  asm volatile("" : : : "memory");  // the rows written before are what the tile loads read
-  _tile_zero(2);
-  for (int s = 0; s < steps; ++s) {
-    _tile_loadd(0, static_cast<const char*>(k) + 64 * s, k_stride);
-    _tile_loadd(1, q_pairs + 16 * 16 * s, 64);
-    _tile_dpbf16ps(2, 0, 1);
-  }
-  _tile_stored(2, scores, 64);
-  asm volatile("" : : : "memory");  // and the scores are read after the store
-}
-
-// qk_scores for `n` (1-4) chunks at once, chunk c's K rows at k + c * chunk_bytes: their dot products
-// issued side by side (one chunk's alone waits on each step's latency), each chunk's steps in order
-inline void qk_scores4(const void* k, int64_t chunk_bytes, int64_t k_stride, const uint32_t* q_pairs, int steps,
-                       int n, float* scores) {
+// scores[chunk][key][row] for `n` (1-4) chunks of 16 keys = sum over head_dim (`steps` x 32 dims, in order)
+// of k row . q row: chunk c's K rows at k + c * chunk_bytes, `k_stride` bytes apart; q's pairs as [pair][16
+// rows]. The chunks' dot products are issued side by side (one chunk's alone waits on each step's latency).
+inline void qk_scores(const void* k, int64_t chunk_bytes, int64_t k_stride, const uint32_t* q_pairs, int steps, int n,
+                      float* scores) {
   const char* kc = static_cast<const char*>(k);
-  asm volatile("" : : : "memory");
+  tile_reads_memory();  // the rows written before are what the tile loads read
   _tile_zero(2);
   _tile_zero(3);
   _tile_zero(4);
@@ -464,13 +451,12 @@ inline void qk_scores4(const void* k, int64_t chunk_bytes, int64_t k_stride, con
   if (n > 1) _tile_stored(3, scores + 256, 64);
   if (n > 2) _tile_stored(4, scores + 512, 64);
   if (n > 3) _tile_stored(5, scores + 768, 64);
-  asm volatile("" : : : "memory");
+  tile_reads_memory();  // and the scores are read after the stores
 }
 #else
 constexpr bool QK_TILES = false;
 inline void configure_qk_tiles() {}
-inline void qk_scores(const void*, int64_t, const uint32_t*, int, float*) {}
-inline void qk_scores4(const void*, int64_t, int64_t, const uint32_t*, int, int, float*) {}
+inline void qk_scores(const void*, int64_t, int64_t, const uint32_t*, int, int, float*) {}
 #endif
 
 // A decode: one query token, KV heads [first, first + num), each head's group of query heads
@@ -579,8 +565,8 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
         const int r0 = hh * group;
         const int64_t row_bytes = span * int64_t(sizeof(K));
         for (int g0 = r0 - r0 % 16; g0 < r0 + group; g0 += 16) {
-          qk_scores4(ks + hh * L.head_dim, KC * row_bytes, row_bytes, q_pairs + (g0 / 16) * (Dp / 2) * 16, Dp / 32,
-                     num_chunks, chunk_scores + (g0 / 16) * SCORES);
+          qk_scores(ks + hh * L.head_dim, KC * row_bytes, row_bytes, q_pairs + (g0 / 16) * (Dp / 2) * 16, Dp / 32,
+                    num_chunks, chunk_scores + (g0 / 16) * SCORES);
         }
       }
       // K^T, W keys x W columns at a time; the chunks past the span's keys are zeros
@@ -609,8 +595,7 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
 #if ATTNSERVE_BF16_DOT
           if (tile_path) {  // the row's column of each chunk's scores
             const float* column = chunk_scores + (r / 16) * SCORES + r % 16;
-            const __m512i keys = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                    _mm512_set1_epi32(16));
+            const __m512i keys = (__m512i)(LANES * 16);  // key t's score lies 16 floats after key t - 1's
             for (int cc = 0; cc < num_chunks; ++cc)
               for (int c = 0; c < CH; ++c)
                 s[cc * CH + c] = (vf)_mm512_i32gather_ps(keys, column + (cc * KC + c * W) * 16, 4) * scale;
@@ -758,7 +743,7 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
 #if ATTNSERVE_BF16_DOT
       if (tile_path) {
         for (int t = 0; t < KC; ++t) std::memcpy(k_tile + t * Dp, k_rows[t], Dp * sizeof(uint16_t));
-        qk_scores(k_tile, Dp * int64_t(sizeof(uint16_t)), qT2, Dp / 32, chunk_scores);
+        qk_scores(k_tile, 0, Dp * int64_t(sizeof(uint16_t)), qT2, Dp / 32, 1, chunk_scores);
         for (int t = 0; t < KC; ++t) s[t] = load(chunk_scores + t * W) * scale;
       } else if (bf16_path) {  // per pair of dims: the lanes' q pairs against each key's pair, broadcast
         // NOTE: all KEY_CHUNK keys, into sums of their own: fixed trip counts keep them in registers

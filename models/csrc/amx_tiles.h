@@ -23,5 +23,11 @@ inline void load_tile_config(const TileConfig& c) {
   _tile_loadconfig(&c);
 }
 
+// GCC's tile intrinsics are asm statements that name no memory: these tell the compiler that a tile store
+// wrote `buf` (so reads of it stay after it) and that a tile load is about to read memory stored before.
+template <typename T>
+inline void tile_wrote(T& buf) { asm volatile("" : "+m"(*reinterpret_cast<char (*)[sizeof(T)]>(&buf))); }
+inline void tile_reads_memory() { asm volatile("" : : : "memory"); }
+
 }  // namespace
 #endif

@@ -317,12 +317,6 @@ inline std::pair<const uint8_t*, int64_t> tile_codes(const uint8_t* panel, int64
   }
 }
 
-// GCC's tile intrinsics are asm statements that name no memory: these tell the compiler that a tile store
-// wrote `buf` (so reads of it stay after it) and that a tile load is about to read memory stored before.
-template <typename T>
-inline void tile_wrote(T& buf) { asm volatile("" : "+m"(*reinterpret_cast<char (*)[sizeof(T)]>(&buf))); }
-inline void tile_reads_memory() { asm volatile("" : : : "memory"); }
-
 // Blocks go in chunks: a chunk's tile work (each block's dot products, its sums stored), then the chunk's
 // scaling. NOTE: a vector load issued after a tile store waits for that store, whatever the addresses, and the
 // tiles do not overlap the vector work: scaling each block one block behind the tiles (the first design) waited
