@@ -191,8 +191,8 @@ print(json.dumps({"isa": isa, "path": engine.cpu_path.describe(), "text": out.te
 """
 
 
-# NOTE: slow on an AMX CPU, where it compiles the level below's builds of both tile libraries (q8_linear,
-# paged_attention: ~1 min each), which no other test there loads
+# NOTE: slow on an AMX CPU, where it compiles the level below's builds of both tile libraries (q8_linear
+# ~11 s, paged_attention ~30 s), which no other test there loads
 @pytest.mark.slow
 def test_amx_listed_but_refused_serves_on_the_level_below(default_model_dir):
     """End to end: a CPU that lists AMX (faked on top of this one's flags) whose kernel refuses the

@@ -52,6 +52,11 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int MAX_TILE_ROWS = 32;  // query rows (tokens x group heads) per work item
 constexpr int HEAD_DIM_STEP = 16;  // head_dim is padded up to a multiple of this (zero lanes)
 constexpr int MAX_HEAD_DIM_STEPS = 16;  // head_dim up to 256
+// The padded head_dims (in HEAD_DIM_STEPs) with code of their own: 16, 32, 64, 80, 96, 128, 256, the
+// ones models use. Any other pads up to the next of them (zero lanes, as head_dim 8 or 24 always
+// did). Each costs ~4 s of compile per library, on every machine's first start and in CI: all 16
+// took 74 s.
+using HeadDimSteps = std::integer_sequence<int, 1, 2, 4, 5, 6, 8, MAX_HEAD_DIM_STEPS>;
 constexpr int PREFETCH_KEYS = 16;  // how far ahead (in keys) K/V rows are prefetched
 // keys per online-softmax step, in every path (a multiple of W): the per-row step (max, exp, the
 // accumulators' rescale) is paid once per 16 keys, not once per vector of scores
@@ -870,9 +875,10 @@ void attend_all(const T* q, T* out, const C* kc, const C* vc, const std::vector<
     for (int64_t i = 0; i < num_items; ++i) {
       const WorkItem& w = items[i];
       const SeqView sv{tables + w.seq * L.table_stride, lens[w.seq], starts[w.seq], starts[w.seq + 1] - starts[w.seq]};
-      if (sv.num_queries == 1) {
+      // NOTE: an 8-bit pool's prompts come here widened (run: C is T), so its rows path is never built
+      if (!std::is_same_v<T, C> || sv.num_queries == 1) {
         attend_decode<T, C, NV>(w, sv, q, out, kc, vc, L, scale, v_scale, var);
-      } else {
+      } else if constexpr (std::is_same_v<T, C>) {
         attend_rows<T, C, NV>(w, sv, q, out, kc, vc, L, scale, v_scale, var);
       }
     }
@@ -882,17 +888,26 @@ void attend_all(const T* q, T* out, const C* kc, const C* vc, const std::vector<
   }
 }
 
-// S + 1 = head_dim / HEAD_DIM_STEP, rounded up: one instantiation per padded head_dim.
+// The fewest HEAD_DIM_STEPs of HeadDimSteps that hold `steps`.
+template <int... S>
+constexpr int padded_steps(int steps, std::integer_sequence<int, S...>) {
+  int padded = MAX_HEAD_DIM_STEPS;
+  ((padded = S >= steps && S < padded ? S : padded), ...);
+  return padded;
+}
+
+// One instantiation per padded head_dim: S = head_dim / HEAD_DIM_STEP, rounded up to HeadDimSteps.
 template <typename T, typename C, int... S>
-void dispatch_head_dim(int steps, std::integer_sequence<int, S...>, const at::Tensor& q, at::Tensor& out,
+void dispatch_head_dim(int steps, std::integer_sequence<int, S...> all, const at::Tensor& q, at::Tensor& out,
                        const at::Tensor& k_cache, const at::Tensor& v_cache, const std::vector<WorkItem>& items,
                        const int32_t* tables, const int32_t* lens, const int32_t* starts, const Layout& L,
                        float scale, float v_scale, const Variant& var) {
   const C* kc = static_cast<const C*>(k_cache.data_ptr());
   const C* vc = static_cast<const C*>(v_cache.data_ptr());
-  ((steps == S + 1 ? attend_all<T, C, (S + 1) * HEAD_DIM_STEP / W>(q.data_ptr<T>(), out.data_ptr<T>(), kc, vc, items,
-                                                                  tables, lens, starts, L, scale, v_scale, var)
-                    : void()), ...);
+  const int padded = padded_steps(steps, all);
+  ((padded == S ? attend_all<T, C, S * HEAD_DIM_STEP / W>(q.data_ptr<T>(), out.data_ptr<T>(), kc, vc, items, tables,
+                                                         lens, starts, L, scale, v_scale, var)
+                : void()), ...);
 }
 
 // n 8-bit values -> n values of T (exact: bf16 and fp32 hold every e4m3 / e5m2 value).
@@ -915,7 +930,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
          float scale, float k_scale, float v_scale, const Variant& var) {
   write_cache<T, C>(k, v, k_cache, v_cache, slot_mapping.data_ptr<int64_t>(), L, 1.f / k_scale, 1.f / v_scale);
   const int steps = int((L.head_dim + HEAD_DIM_STEP - 1) / HEAD_DIM_STEP);
-  constexpr auto all_steps = std::make_integer_sequence<int, MAX_HEAD_DIM_STEPS>{};
+  constexpr HeadDimSteps all_steps{};
   // NOTE: K's scale multiplies every score, so it folds into the query scale; V's into the output
   const float qk_scale = scale * k_scale;
   if constexpr (std::is_same_v<T, C>) {

@@ -133,7 +133,7 @@ def build(name: str, isa: str | None = None) -> Path:
 
 def build_all(levels: list[str | None] | None = None, names: list[str] | None = None) -> list[Path]:
     """Every library at every level in `levels` (default: this machine's), one compiler per core:
-    the sources take 12-65 s each to compile, so one at a time leaves cores idle."""
+    the sources take 7-30 s each to compile, so one at a time leaves cores idle."""
 
     names = list(names or SOURCES)
     jobs = [(name, level) for level in (levels or [None]) for name in names]
