@@ -1,5 +1,6 @@
-"""`make serve`'s command and Ray's `serve run deploy/serve.yaml`, each on its own Ray, with the
-default model, answering the README's curl and openai snippets; SIGTERM drains in-flight streams."""
+"""`make serve`'s command, Ray's `serve run deploy/serve.yaml` and the README's sharded `attnserve
+generate`, each on its own Ray, with the default model, answering the README's curl and openai
+snippets; SIGTERM drains in-flight streams."""
 import os
 import re
 import signal
@@ -156,3 +157,28 @@ def test_serve_run_deploy_serve_yaml_with_an_8bit_kv_cache(tmp_path):
         budget = int(1.5 * 2**30)  # serve.yaml's memory_budget, kv_cache_memory auto
         assert samples[("attnserve_kv_blocks", (*labels, ("state", "total")))] == \
             (budget - model["weight_bytes"]) // (16 * per_token)
+
+
+# NOTE: here, not beside the other tensor-parallel tests on the session's Ray: it starts a Ray of its own
+def test_readme_generate_command_shards_the_default_model():
+    """The README's `attnserve generate --tensor-parallel-size 2` line, run as a user would (its own
+    local Ray, two workers of half a CPU)."""
+    import json
+    import types
+
+    line = next(x for x in readme_block("bash", "--tensor-parallel-size").splitlines() if " generate " in x)
+    out = subprocess.run(["bash", "-c", line.replace(".venv/bin/", f"{BIN}/") + " --max-tokens 12"],
+                         capture_output=True, text=True, timeout=600, env=env(), check=True).stdout
+    row = json.loads(out.splitlines()[-1])
+    # NOTE: its first token is a near-tie ("The" / "L'", 0.13 apart at TP=1 in bf16): the ranks' partial
+    # sums, rounded to bf16 each, can flip it. The rule of reduced precision (tests/reference.py):
+    # TP=1's tokens up to a first difference that TP=1 itself weighed as a near-tie.
+    from server.engine import EngineConfig, LLMEngine, SamplingParams
+    from tests.reference import NEAR_TIE, first_divergences
+
+    one = LLMEngine(EngineConfig(model="default"))
+    ref = one.generate([row["prompt_token_ids"]], SamplingParams(max_tokens=12, temperature=0, logprobs=5))[0][0]
+    (leading,), gaps = first_divergences([ref], [types.SimpleNamespace(token_ids=row["token_ids"])])
+    assert all(gap <= NEAR_TIE for gap in gaps), (gaps, row["text"], ref.text)
+    if not gaps:
+        assert "Paris" in row["text"]

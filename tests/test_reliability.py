@@ -61,9 +61,10 @@ def test_overload_completes_or_refuses_with_retry_after(chaos_url):
 
 
 def test_abort_storm_frees_every_block(serve_url):
-    report = abort_storm.run(serve_url, "tiny-mha", requests=300, concurrency=32, drop_fraction=0.5, max_tokens=48)
+    # NOTE: 160 requests, 32 at a time: five waves, half of each cut mid-stream
+    report = abort_storm.run(serve_url, "tiny-mha", requests=160, concurrency=32, drop_fraction=0.5, max_tokens=48)
     assert report["ok"], report
-    assert report["outcomes"]["dropped"] >= 135 and report["outcomes"]["completed"] >= 150
+    assert report["outcomes"]["dropped"] >= 72 and report["outcomes"]["completed"] >= 80
 
 
 def stream_lines(url, body, headers, out: list, started: threading.Event):
