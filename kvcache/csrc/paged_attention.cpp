@@ -424,6 +424,8 @@ inline void configure_qk_tiles() {
   load_tile_config(c);
 }
 
+inline void release_qk_tiles() { _tile_release(); }
+
 // scores[chunk][key][row] for `n` (1-4) chunks of 16 keys = sum over head_dim (`steps` x 32 dims, in order)
 // of k row . q row: chunk c's K rows at k + c * chunk_bytes, `k_stride` bytes apart; q's pairs as [pair][16
 // rows]. The chunks' dot products are issued side by side (one chunk's alone waits on each step's latency).
@@ -461,6 +463,7 @@ inline void qk_scores(const void* k, int64_t chunk_bytes, int64_t k_stride, cons
 #else
 constexpr bool QK_TILES = false;
 inline void configure_qk_tiles() {}
+inline void release_qk_tiles() {}
 inline void qk_scores(const void*, int64_t, int64_t, const uint32_t*, int, int, float*) {}
 #endif
 
@@ -870,7 +873,7 @@ void attend_all(const T* q, T* out, const C* kc, const C* vc, const std::vector<
   const int num_threads = std::max(1, std::min<int>(at::get_num_threads(), int(num_items)));
 #pragma omp parallel num_threads(num_threads)
   {
-    if constexpr (QK_TILES) configure_qk_tiles();  // per thread, once a call
+    configure_qk_tiles();  // per thread, once a call (both no-ops in a build without tiles)
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i) {
       const WorkItem& w = items[i];
@@ -882,9 +885,7 @@ void attend_all(const T* q, T* out, const C* kc, const C* vc, const std::vector<
         attend_rows<T, C, NV>(w, sv, q, out, kc, vc, L, scale, v_scale, var);
       }
     }
-#if defined(__AMX_BF16__)
-    _tile_release();
-#endif
+    release_qk_tiles();
   }
 }
 
