@@ -26,6 +26,32 @@ def env() -> dict[str, str]:
     return {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:  # gone meanwhile
+                continue
+            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def process_args(pid: int) -> str:
+    return open(f"/proc/{pid}/cmdline").read().replace("\0", " ").strip()
+
+
+def process_env(pid: int) -> list[str]:
+    return open(f"/proc/{pid}/environ").read().split("\0")
+
+
 def stream_until_cut(url: str, out: list, started: threading.Event) -> None:
     """One long greedy stream; records its status, its SSE lines and any transport error."""
     # NOTE: 64 tokens: in flight when SIGTERM comes (sent once all three have a first token), and short
@@ -61,6 +87,9 @@ def test_make_serve_answers_the_readme_snippets_and_drains_on_sigterm(tmp_path):
     streams = []
     try:
         wait_ready(url, proc, timeout=300)
+        # the cluster it started runs Serve's controller at its slower loop (server/cli.py LOCAL_CLUSTER_ENV)
+        (controller,) = [p for p in descendants(proc.pid) if process_args(p).startswith("ray::ServeController")]
+        assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5" in process_env(controller)
         path = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["cpu_path"]
         from models.native.cpu_features import machine_isa
 

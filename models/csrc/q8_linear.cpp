@@ -535,14 +535,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     // NOTE: on AMX, chunks of whole x tiles, so that only the call's last rows miss them
     const int64_t rows_per = TILES ? ((m + chunks - 1) / chunks + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS
                                    : (m + chunks - 1) / chunks;
-    at::parallel_for(0, quads * chunks, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t u = t / chunks, r0 = (t % chunks) * rows_per, r1 = std::min(m, r0 + rows_per);
-        if (r0 < r1)
-          fn(w, a.rows_from(r0), r1 - r0, static_cast<char*>(yp) + r0 * out_features * item, out_features,
-             out.bias_ptr(), u, u + 1);
-      }
-    });
+    // NOTE: tasks go to whichever thread is free, in shrinking runs (guided: each thread's first run is
+    // contiguous, as fixed halves were, for the prefetchers), not in fixed halves: a thread the OS takes
+    // away for a while (a serving stack's other processes share these cores) leaves its tasks to the other
+    // instead of stalling the call. Which thread runs a task changes no bit of it
+    const int64_t tasks = quads * chunks;
+    const int num_threads = int(std::clamp<int64_t>(at::get_num_threads(), 1, tasks));
+#pragma omp parallel for schedule(guided) num_threads(num_threads)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t u = t / chunks, r0 = (t % chunks) * rows_per, r1 = std::min(m, r0 + rows_per);
+      if (r0 < r1)
+        fn(w, a.rows_from(r0), r1 - r0, static_cast<char*>(yp) + r0 * out_features * item, out_features,
+           out.bias_ptr(), u, u + 1);
+    }
   }
   return out.result(x);
 }
