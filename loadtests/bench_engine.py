@@ -104,7 +104,8 @@ def roofline(weight_bytes: int) -> dict:
     """Batch-1 decode reads every weight once a token: its roofline is the weights' bytes at the read bandwidth
     of a buffer as big as them, measured rather than inferred from the L3's listed size. A VM's share of a
     shared L3 can hold less than the L3 lists: on the AMX Xeon (480 MiB listed) a repeated read runs at
-    44-50 GB/s up to 92 MiB and at DRAM's 22-26 GB/s from 100 MiB, so the default model's 97 MB sit at the edge.
+    47-56 GB/s up to 92 MiB, 33-49 at 96-100 MiB and DRAM's 21-25 from 128 MiB: the default model's 97 MB sit
+    at the edge.
     DRAM's read bandwidth (buffers 4x the L3, 512 MiB at least) is beside it; the level is the L3's where the
     weights' read is clearly faster than that."""
     l3 = l3_bytes()
