@@ -7,12 +7,14 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.servers import BIN, ROOT, free_port, running, wait_ready
+from tests.test_two_nodes import pids_with
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -26,30 +28,14 @@ def env() -> dict[str, str]:
     return {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:  # gone meanwhile
-                continue
-            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def process_args(pid: int) -> str:
-    return open(f"/proc/{pid}/cmdline").read().replace("\0", " ").strip()
-
-
-def process_env(pid: int) -> list[str]:
-    return open(f"/proc/{pid}/environ").read().split("\0")
+def started_by(pid: int, ancestor: int) -> bool:
+    """Whether `ancestor` started `pid`, directly or through its children (/proc's parent links)."""
+    while pid > 1:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        pid = int(stat[stat.rindex(")") + 2:].split()[1])
+        if pid == ancestor:
+            return True
+    return False
 
 
 def stream_until_cut(url: str, out: list, started: threading.Event) -> None:
@@ -88,8 +74,8 @@ def test_make_serve_answers_the_readme_snippets_and_drains_on_sigterm(tmp_path):
     try:
         wait_ready(url, proc, timeout=300)
         # the cluster it started runs Serve's controller at its slower loop (server/cli.py LOCAL_CLUSTER_ENV)
-        (controller,) = [p for p in descendants(proc.pid) if process_args(p).startswith("ray::ServeController")]
-        assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5" in process_env(controller)
+        (controller,) = [p for p in pids_with("ray::ServeController") if started_by(p, proc.pid)]
+        assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5" in Path(f"/proc/{controller}/environ").read_text().split("\0")
         path = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["cpu_path"]
         from models.native.cpu_features import machine_isa
 
