@@ -22,6 +22,8 @@ and, for quantized weights (--quantized), torch's own CPU kernels against ours
   Q8_0 / Q4_1 ours   our kernel on a GGUF's formats: int8 / int4 codes in groups of 32, fp16 scales
   Q8_0 / Q4_1 x8     the same weights with 8-bit activations (models/csrc/q8_linear.cpp: x rounded
                      to int8 per block of 32, integer dot products)
+  ... x8 prompt      the same op with every row a prompt row: at the amx level the codes dequantized
+                     to bf16 per call on bf16 tiles (what prompt tokens take), elsewhere the x8 rows
 
 and prints GFLOP/s, and the milliseconds of one pass at the smallest M (a batch-1 decode step's
 linears). Medians of --repeats.
@@ -103,6 +105,11 @@ def quantized_candidates(weights: list[torch.Tensor]) -> dict:
         layers = [QuantLinear(q, None, torch.float32, activations="int8") for q in quantized]
         out[f"{name} fp32"] = (torch.float32, layers)
         out[f"{name} bf16"] = (torch.bfloat16, layers)
+        # every row a prompt row: on bf16 tiles in the amx build (the int8 kernel elsewhere)
+        prompt = [lambda x, m=m: torch.ops.attnserve.q8_linear(
+            x, m.codes, m.scales, m.offsets, None, m.bits, m.group_size, m.out_features,
+            torch.ones(x.shape[0], dtype=torch.bool)) for m in layers]
+        out[f"{name} prompt bf16"] = (torch.bfloat16, prompt)
     return out
 
 

@@ -22,7 +22,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from models.native.cpu_path import INT8_KERNELS, CpuCapabilities, CpuPath, choose_cpu_path, resolve_dtype
+from models.native.cpu_path import INT8_KERNELS, CpuCapabilities, CpuPath, choose_cpu_path, prompt_kernel, resolve_dtype
 from models.native.libraries import load
 from models.quant_linear import QuantLinear
 
@@ -95,8 +95,10 @@ def pack_linears(model: nn.Module, path: str) -> int:
     return len(swaps)
 
 
-def prepare(model, caps: CpuCapabilities, requested: str, checkpoint_dtype: str, device: str = "cpu") -> CpuPath:
-    """Choose the model's path and swap its linears in; a model is prepared once (`model.cpu_path`)."""
+def prepare(model, caps: CpuCapabilities, requested: str, checkpoint_dtype: str, device: str = "cpu",
+            activations: str = "auto") -> CpuPath:
+    """Choose the model's path and swap its linears in; a model is prepared once (`model.cpu_path`).
+    `activations`: as asked of the quantized linears (models/native/cpu_path.py ACTIVATIONS)."""
     if model.cpu_path is not None:
         return model.cpu_path
     dtype = resolve_dtype(caps, requested, checkpoint_dtype, device)
@@ -110,7 +112,9 @@ def prepare(model, caps: CpuCapabilities, requested: str, checkpoint_dtype: str,
         path = dataclasses.replace(path, linear="quantized", weight_dtype=model.quantization)
     elif device == "cpu":
         pack_linears(model, path.linear)
-    model.cpu_path = dataclasses.replace(path, quantization=model.quantization, activations=_activations(model, caps))
+    int8 = _activations(model, caps)
+    model.cpu_path = dataclasses.replace(path, quantization=model.quantization, activations=int8,
+                                         prompt_activations=prompt_kernel(caps, activations) if int8 != "exact" else "")
     return path
 
 

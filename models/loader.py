@@ -190,7 +190,7 @@ def load_for_serving(path: str | Path, dtype: str = "auto", device: str = "cpu",
     model = model_from_checkpoint(ckpt, parse_dtype(resolve_dtype(caps, dtype, source, device)), device,
                                   "none" if quantization in ("auto", "none") else quantization, shard,
                                   int8_code_bits(caps, activations))
-    prepare(model, caps, dtype, source, device)
+    prepare(model, caps, dtype, source, device, activations)
     del ckpt
     release_freed_memory()
     return model

@@ -31,7 +31,7 @@ _LIB.define("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets,
             "int group_size, SymInt out_features) -> Tensor")
 _LIB.define("pack_quant(Tensor q, Tensor scale, Tensor? offset, int bits, int group_size) -> (Tensor, Tensor, Tensor)")
 _LIB.define("q8_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias, int bits, "
-            "int group_size, SymInt out_features) -> Tensor")
+            "int group_size, SymInt out_features, Tensor? prompt_rows=None) -> Tensor")
 _LIB.define("pack_q8(Tensor q, Tensor scale, Tensor? offset, int bits, int group_size) -> (Tensor, Tensor, Tensor)")
 
 
@@ -41,7 +41,7 @@ def _(x, codes, scales, offsets, bias, bits, group_size, out_features):
 
 
 @torch.library.register_fake("attnserve::q8_linear")
-def _(x, codes, scales, offsets, bias, bits, group_size, out_features):
+def _(x, codes, scales, offsets, bias, bits, group_size, out_features, prompt_rows=None):
     return x.new_empty((*x.shape[:-1], out_features))
 
 

@@ -11,7 +11,7 @@ import torch
 
 from kvcache import ops
 from models.native.cpu_features import ISA_LEVELS, amx_listed, isa_cap, machine_isa, read_cpu_features
-from models.native.cpu_path import ACTIVATIONS, DTYPES, INT8_KERNELS, choose_cpu_path, int8_code_bits
+from models.native.cpu_path import ACTIVATIONS, DTYPES, INT8_KERNELS, choose_cpu_path, int8_code_bits, prompt_kernel
 from models.native.probe import detect
 from models.native.tiles import tile_grant
 from models.native.toolchain import SOURCES, compiler_version, library_path
@@ -55,7 +55,8 @@ def collect() -> dict:
     # what the quantized linears' activations would be (a GGUF such as the default model's Q4_1)
     paths |= {f"quantized checkpoint, --activations {mode}": ", ".join(
         f"{bits}-bit codes {INT8_KERNELS[isa] if bits in int8_code_bits(caps, mode) else 'exact'}"
-        for bits in (4, 8)) for mode in ACTIVATIONS}
+        for bits in (4, 8)) + (f", prompt tokens {prompt_kernel(caps, mode)}" if prompt_kernel(caps, mode) else "")
+        for mode in ACTIVATIONS}
     return {
         "attnserve": _version("attnserve"),
         "python": sys.version.split()[0],

@@ -24,7 +24,16 @@ from models.native.cpu_features import (
     parse_cpuinfo,
     torch_isa_env,
 )
-from models.native.cpu_path import DTYPES, INT8_KERNELS, CpuCapabilities, choose_cpu_path, int8_code_bits, resolve_dtype
+from models.native.cpu_path import (
+    DTYPES,
+    INT8_KERNELS,
+    CpuCapabilities,
+    CpuPath,
+    choose_cpu_path,
+    int8_code_bits,
+    prompt_kernel,
+    resolve_dtype,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -267,6 +276,26 @@ def test_int8_activations_choice(caps, requested, expected):
     """auto: int8 where an integer dot product is measured faster: 4-bit codes, and 8-bit ones with VNNI
     (without it 0.8x at batch 1); exact on the portable build; an explicit switch holds everywhere."""
     assert int8_code_bits(caps, requested) == frozenset(expected)
+
+
+@pytest.mark.parametrize("caps,requested,expected", [
+    (AMX, "auto", "bf16-amx"), (AMX, "int8", ""), (AMX, "exact", ""), (ZEN4, "auto", ""), (AVX2, "auto", ""),
+    (GENERIC, "auto", ""),
+])
+def test_prompt_kernel_choice(caps, requested, expected):
+    """auto at the amx level: prompt tokens' int8-activation linears on bf16 tiles; an explicit int8 keeps every
+    row on the integer kernel; no other level has a prompt kernel."""
+    assert prompt_kernel(caps, requested) == expected
+    with pytest.raises(ValueError, match="activations must be one of"):
+        prompt_kernel(caps, "fp8")
+
+
+def test_the_path_line_names_the_prompt_kernel_only_where_there_is_one():
+    path = CpuPath("cpu", "amx", "bfloat16", "Q4_1", "quantized", "native-amx", 2, quantization="Q4_1",
+                   activations="int8-amx")
+    assert "activations=int8-amx attention=" in path.describe()
+    assert "activations=int8-amx prompts=bf16-amx attention=" in CpuPath(
+        **{**path.as_dict(), "prompt_activations": "bf16-amx"}).describe()
 
 
 def test_int8_activations_reject_unknown_modes_and_name_each_levels_kernel():

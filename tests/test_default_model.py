@@ -112,3 +112,40 @@ def test_default_model_greedy_tokens_are_the_same_alone_and_batched(activations)
     together = [g[0].token_ids for g in engine.generate(prompts, params)]
     assert together == alone
     assert engine.kv.num_used_blocks == 0
+
+
+def test_default_model_prompt_and_output_tokens_keep_their_kernels_through_preemption_chunks_and_prefix_hits():
+    """Default settings: on an AMX CPU a prompt token's int8-activation linears run on bf16 tiles and an output
+    token's on the int8 kernel, each by what the token is (models/native/cpu_path.py PROMPT_KERNELS). Greedy tokens
+    and their logprobs, bit for bit: 8 prompts sharing a system prefix, each alone in a roomy engine, against all 8
+    in a pool so tight that requests are preempted and recomputed, prefilled in chunks, with prefix hits; and a
+    second turn holding a first turn's output, against the same turn in an engine that caches nothing."""
+    from models.corpus import corpus_words
+    from server.engine import EngineConfig, LLMEngine, SamplingParams
+
+    def engine(**kw):
+        return LLMEngine(EngineConfig(model=str(default_gguf_path()), kv_cache_memory=None, block_size=16, **kw))
+
+    def run(e, prompts):
+        return [[(t.token_id, t.logprob) for t in g[0].logprobs] for g in e.generate(prompts, params)]
+
+    words = corpus_words()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
+    roomy = engine(num_blocks=512)
+    assert roomy.runner.prompt_tiles == (roomy.cpu_path.isa == "amx")  # the native step, default activations
+    assert ("prompts=bf16-amx" in roomy.cpu_path.describe()) == roomy.runner.prompt_tiles
+    system = f"Answer in one sentence, in the style of this passage: {' '.join(words[100:140])}"
+    prompts = [chat_ids(roomy.tokenizer, f"{system}\n\n{' '.join(words[i:i + 5 + i % 40])}")
+               for i in range(700, 700 + 8 * 300, 300)]
+    alone = [run(roomy, [p])[0] for p in prompts]
+    tight = engine(num_blocks=24, max_num_batched_tokens=64, max_num_seqs=8)
+    assert run(tight, prompts) == alone
+    s = tight.scheduler
+    assert s.num_preemptions > 0 and s.num_partial_prefills > 0 and s.num_prefix_hits > 0
+    first = [t for t, _ in alone[0]]
+    second = prompts[0] + first + chat_ids(roomy.tokenizer, "Now say it again, shorter.")[1:]
+    before = roomy.scheduler.num_prefix_hits
+    assert run(roomy, [second]) == run(engine(num_blocks=512, enable_prefix_caching=False), [second])
+    assert roomy.scheduler.num_prefix_hits > before  # the first turn's prompt blocks
+    for e in (roomy, tight):
+        assert e.kv.num_used_blocks == 0

@@ -99,6 +99,28 @@ def test_blocks_run_out_the_worst_priority_is_preempted_and_readmitted_by_priori
     assert ("w", 9, 0, True) in readmit
 
 
+@pytest.mark.parametrize("cache_output_blocks", [True, False])
+def test_output_blocks_are_shared_only_where_output_tokens_take_the_prompt_kernel(cache_output_blocks):
+    """A request's blocks are cached as they fill; where prompt tokens take another kernel than output tokens (the
+    amx level's prompt tiles: server/engine/model_runner.py `prompt_tiles`), only those of its prompt. The next turn
+    holds the output as prompt tokens: a hit on blocks decode computed would give it other KV than a miss."""
+    kv = KVCacheManager(16, BLOCK, True)
+    sch = Scheduler(kv, 64, 4, bytes_per_block=1, cache_output_blocks=cache_output_blocks)
+    req = Request("a", list(range(10)), SamplingParams(max_tokens=8), None)
+    sch.add([req])
+    while not req.is_finished:
+        out = sch.schedule()
+        if out.seqs[0].samples:
+            req.append_token(40 + req.num_tokens, 0.0)
+            if len(req.output_token_ids) == 8:
+                sch.finish(req, "length")
+        sch.advance(out)
+    # 10 prompt tokens and 8 output ones, 17 of them computed: blocks 0-1 hold prompt tokens only, 2-3 output ones too
+    hit = kv.find_prefix("b", req.all_token_ids + [99])
+    assert [b.block_id for b in hit.blocks[0]] == ([0, 1, 2, 3] if cache_output_blocks else [0, 1])
+    assert len(kv.pool.cached) == len(hit.blocks[0])
+
+
 def random_case(seed: int, priorities: list[int] | None) -> tuple[list[tuple], dict]:
     """Mixed prompts (some sharing a prefix, for cache hits), lengths and n, priorities from the list (else 0);
     a tight pool, a small token budget (chunked prefill) or not, prefix caching or not."""

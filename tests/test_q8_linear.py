@@ -133,3 +133,87 @@ def test_packing_rejects_groups_it_cannot_block():
     load("q8_linear")
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.attnserve.pack_q8(torch.zeros(4, 96, dtype=torch.int8), torch.ones(4, 2), None, 4, 48)
+
+
+# ---- prompt rows (`prompt_rows`): on the amx build, bf16 tiles; elsewhere the int8 kernel, as every row --------
+def tiles_here() -> bool:
+    """Whether this process's q8_linear build has the bf16 tiles (the amx level)."""
+    return load("q8_linear") == "amx"
+
+
+def bf16_weights(w) -> torch.Tensor:
+    """The weights as the tiles take them: code * scale + offset rounded once to fp32 (an FMA), then to bf16."""
+    scale = w.scale.double().repeat_interleave(w.group_size, 1)  # (N, K)
+    offset = 0 if w.offset is None else w.offset.double().repeat_interleave(w.group_size, 1)
+    return (w.q.double() * scale + offset).float().bfloat16().double()  # NOTE: exact in float64 before the fp32 rounding
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("m", ROWS)
+def test_prompt_rows_are_bf16_rows_times_bf16_weights_summed_in_fp32(fmt, m):
+    bits, group, scales, offsets = FORMATS[fmt]
+    n, k = 100, 1152
+    w = random_quantized(n, k, bits, group, scales, offsets, seed=m + bits + group)
+    codes, packed_scales, packed_offsets = packed(w)
+    g = torch.Generator().manual_seed(m)
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    y = torch.ops.attnserve.q8_linear(x, codes, packed_scales, packed_offsets, b, bits, group, n,
+                                      torch.ones(m, dtype=torch.bool))
+    int8 = torch.ops.attnserve.q8_linear(x, codes, packed_scales, packed_offsets, b, bits, group, n)
+    if not tiles_here():
+        assert torch.equal(y, int8)
+        return
+    xb = x.bfloat16().double()
+    expected = F.linear(xb, bf16_weights(w), b.double())
+    assert (y.double() - expected).abs().max() <= 1e-5 * F.linear(xb.abs(), bf16_weights(w).abs()).max()
+    assert not torch.equal(y, int8)  # another kernel than the int8 one
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q6_K", "int4_g128"])
+def test_prompt_rows_error_against_the_exact_product_is_within_bf16_rounding(fmt):
+    """|y - x W^T| <= (2^-8 + 2^-18) sum_k |x_k w_k| (x and w each rounded to bf16: at most 2^-9 of itself), plus fp32
+    sums, and the bound is not loose."""
+    bits, group, scales, offsets = FORMATS[fmt]
+    w = random_quantized(64, 1152, bits, group, scales, offsets, seed=11)
+    codes, packed_scales, packed_offsets = packed(w)
+    x = torch.randn(32, 1152) * torch.linspace(0.1, 3, 1152)
+    y = torch.ops.attnserve.q8_linear(x, codes, packed_scales, packed_offsets, None, bits, group, 64,
+                                      torch.ones(32, dtype=torch.bool))
+    if not tiles_here():
+        return  # the int8 rows' bound: test_error_against_exact_activations_is_within_the_rounding_bound
+    dense = w.dequantize().double()
+    magnitude = F.linear(x.double().abs(), dense.abs())  # (M, N)
+    err = (y.double() - F.linear(x.double(), dense)).abs()
+    assert (err <= (2 ** -8 + 2 ** -18 + 1e-5) * magnitude).all()  # 1e-5: fp32 sums
+    assert err.max() > 0.01 * (2 ** -8 * magnitude).max()
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q6_K", "int4_g128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_row_is_the_same_bits_whatever_the_rows_beside_it(fmt, dtype):
+    """Each row takes its own kernel (prompt rows the tiles, the rest int8) and the same bits as alone, M = 1..64,
+    in calls mixing both kinds."""
+    bits, group, scales, offsets = FORMATS[fmt]
+    w = random_quantized(100, 1152, bits, group, scales, offsets, seed=5)
+    codes, packed_scales, packed_offsets = packed(w)
+    g = torch.Generator().manual_seed(6)
+    x, b = torch.randn(64, 1152, generator=g).to(dtype), torch.randn(100, generator=g)
+    prompt = torch.rand(64, generator=g) < 0.5
+
+    def call(rows, kinds):
+        return torch.ops.attnserve.q8_linear(rows, codes, packed_scales, packed_offsets, b, bits, group, 100, kinds)
+
+    alone = torch.cat([call(x[i:i + 1], prompt[i:i + 1]) for i in range(64)])
+    for m in range(1, 65):
+        assert torch.equal(call(x[:m], prompt[:m]), alone[:m]), m
+    int8 = torch.cat([call(x[i:i + 1], None) for i in range(64)])
+    assert torch.equal(alone[~prompt], int8[~prompt])
+    assert torch.equal(alone[prompt], int8[prompt]) != tiles_here()
+
+
+def test_prompt_rows_must_be_one_bool_per_row():
+    w = random_quantized(16, 64, 4, 32, seed=1)
+    codes, packed_scales, packed_offsets = packed(w)
+    with pytest.raises(RuntimeError, match="prompt_rows"):
+        torch.ops.attnserve.q8_linear(torch.randn(3, 64), codes, packed_scales, packed_offsets, None, 4, 32, 16,
+                                      torch.ones(2, dtype=torch.bool))

@@ -58,18 +58,20 @@ struct LoraRows {
 
 using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, int64_t, int64_t, c10::SymInt);
+using Int8LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const std::optional<at::Tensor>&, int64_t, int64_t, c10::SymInt,
+                                const std::optional<at::Tensor>&);
 
-c10::TypedOperatorHandle<LinearFn> linear_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<LinearFn>();
-}
-
-at::Tensor quant_linear(const at::Tensor& x, const Linear& w) {
+// `prompt_rows`: (T,) bool, the rows that are prompt tokens (q8_linear takes them on bf16 tiles where it has them)
+at::Tensor quant_linear(const at::Tensor& x, const Linear& w, const std::optional<at::Tensor>& prompt_rows) {
   // NOTE: each looked up on its first use, when the library of those linears has been loaded
   if (w.int8_activations) {
-    static const auto int8 = linear_op("attnserve::q8_linear");
-    return int8.call(x, w.codes, w.scales, w.offsets, w.bias, w.bits, w.group_size, c10::SymInt(w.out_features));
+    static const auto int8 = c10::Dispatcher::singleton().findSchemaOrThrow("attnserve::q8_linear", "").typed<Int8LinearFn>();
+    return int8.call(x, w.codes, w.scales, w.offsets, w.bias, w.bits, w.group_size, c10::SymInt(w.out_features),
+                     prompt_rows);
   }
-  static const auto exact = linear_op("attnserve::quant_linear");
+  static const auto exact =
+      c10::Dispatcher::singleton().findSchemaOrThrow("attnserve::quant_linear", "").typed<LinearFn>();
   return exact.call(x, w.codes, w.scales, w.offsets, w.bias, w.bits, w.group_size, c10::SymInt(w.out_features));
 }
 
@@ -252,13 +254,14 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   // x: (T, C) embedded tokens; cos, sin: (T, D) RoPE tables in x's dtype; the rest is one step's
-  // paged-attention metadata and the pool (kvcache/paged_attention.py). Returns the final-normed (T, C).
+  // paged-attention metadata and the pool (kvcache/paged_attention.py); prompt_rows: (T,) bool, the rows that
+  // are prompt tokens, or none (every row int8 where the linears take 8-bit activations). Returns the final-normed (T, C).
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
                      std::vector<at::Tensor> v_caches, at::Tensor slot_mapping, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, int64_t max_query_len, int64_t max_seq_len,
                      std::vector<double> k_scales, std::vector<double> v_scales,
                      std::optional<at::Tensor> lora_rows, std::optional<at::Tensor> lora_seg_start,
-                     std::optional<at::Tensor> lora_seg_slot) {
+                     std::optional<at::Tensor> lora_seg_slot, std::optional<at::Tensor> prompt_rows) {
     const size_t n = layers_.size();
     TORCH_CHECK(k_caches.size() == n && v_caches.size() == n && k_scales.size() == n && v_scales.size() == n,
                 "one cache and scale per layer");
@@ -276,10 +279,10 @@ class DecoderStack : public torch::CustomClassHolder {
     if (lora_rows) lora.emplace(LoraRows{*lora_rows, *lora_seg_start, *lora_seg_slot});
     if (x.scalar_type() == at::kBFloat16) {
       return run<c10::BFloat16>(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens,
-                                query_start_loc, max_query_len, max_seq_len, k_scales, v_scales, lora);
+                                query_start_loc, max_query_len, max_seq_len, k_scales, v_scales, lora, prompt_rows);
     }
     return run<float>(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens, query_start_loc,
-                      max_query_len, max_seq_len, k_scales, v_scales, lora);
+                      max_query_len, max_seq_len, k_scales, v_scales, lora, prompt_rows);
   }
 
  private:
@@ -289,7 +292,7 @@ class DecoderStack : public torch::CustomClassHolder {
                  const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                  const at::Tensor& query_start_loc, int64_t max_query_len, int64_t max_seq_len,
                  const std::vector<double>& k_scales, const std::vector<double>& v_scales,
-                 const std::optional<LoraRows>& lora) {
+                 const std::optional<LoraRows>& lora, const std::optional<at::Tensor>& prompt_rows) {
     const int64_t t = x_in.size(0), c = x_in.size(1), d = head_dim_;
     const int64_t h = num_heads_, hkv = num_kv_heads_, width = intermediate_size_;
     const double scale = 1.0 / std::sqrt(double(d));
@@ -302,7 +305,7 @@ class DecoderStack : public torch::CustomClassHolder {
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
       rms_norm<T>(xp, layer.attn_norm.data_ptr<T>(), np, t, c, eps_);
-      at::Tensor qkv = quant_linear(normed, layer.qkv).contiguous();  // (T, (H + 2 Hkv) D)
+      at::Tensor qkv = quant_linear(normed, layer.qkv, prompt_rows).contiguous();  // (T, (H + 2 Hkv) D)
       if (lora) lora_add(qkv, normed, lora_[4 * l], *lora);  // NOTE: before RoPE, as PEFT adds it
       rope<T>(qkv.data_ptr<T>(), qkv.size(1), cos.data_ptr<T>(), sin.data_ptr<T>(), qk.data_ptr<T>(), t, h + hkv, d);
       at::Tensor q = qk.narrow(1, 0, h);  // (T, H, D)
@@ -310,15 +313,15 @@ class DecoderStack : public torch::CustomClassHolder {
       at::Tensor v = qkv.view({t, h + 2 * hkv, d}).narrow(1, h + hkv, hkv);  // (T, Hkv, D)
       at::Tensor out = paged_attention(q, k, v, k_caches[l], v_caches[l], slot_mapping, block_tables, seq_lens,
                                        query_start_loc, max_query_len, max_seq_len, scale, k_scales[l], v_scales[l]);
-      at::Tensor o = quant_linear(out.view({t, h * d}), layer.o).contiguous();  // (T, C)
+      at::Tensor o = quant_linear(out.view({t, h * d}), layer.o, prompt_rows).contiguous();  // (T, C)
       if (lora) lora_add(o, out.view({t, h * d}), lora_[4 * l + 1], *lora);
       if (all_reduce_ >= 0) o = all_reduce(o, all_reduce_);
       add_into<T>(xp, o.data_ptr<T>(), t * c);
       rms_norm<T>(xp, layer.mlp_norm.data_ptr<T>(), np, t, c, eps_);
-      at::Tensor gate_up = quant_linear(normed, layer.gate_up).contiguous();  // (T, 2 I)
+      at::Tensor gate_up = quant_linear(normed, layer.gate_up, prompt_rows).contiguous();  // (T, 2 I)
       if (lora) lora_add(gate_up, normed, lora_[4 * l + 2], *lora);
       silu_mul<T>(gate_up.data_ptr<T>(), act.data_ptr<T>(), t, width);
-      at::Tensor down = quant_linear(act, layer.down).contiguous();  // (T, C)
+      at::Tensor down = quant_linear(act, layer.down, prompt_rows).contiguous();  // (T, C)
       if (lora) lora_add(down, act, lora_[4 * l + 3], *lora);
       if (all_reduce_ >= 0) down = all_reduce(down, all_reduce_);
       add_into<T>(xp, down.data_ptr<T>(), t * c);

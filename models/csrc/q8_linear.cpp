@@ -174,9 +174,10 @@ struct Packed {
   const uint8_t* codes;
   const void* scales;  // fp32 or fp16
   const void* offsets;  // as scales, or nullptr (symmetric)
-  int64_t k_dim, group, groups, panel_bytes;
+  int64_t k_dim, group, groups, panel_bytes, panels;
 
   const uint8_t* panel(int64_t p) const { return codes + panel_offset(p, panel_bytes, LANE_BYTES); }
+  int64_t quads() const { return panels / QUAD; }
 };
 
 // A thread's activation buffers, kept between calls: a prefill's are megabytes, which fresh each call cost
@@ -391,6 +392,152 @@ void amx_rows(const Acts& a, const Packed& w, int64_t tiled, int64_t p0, int64_t
   }
   _tile_release();
 }
+
+// Prompt rows on bf16 tiles (`prompt_rows`): a panel's codes dequantized once per call into bf16 pairs as the
+// tiles take them ([input pair][lane][2]: w = s * code + o in fp32, rounded to bf16), x's rows in bf16, and
+// tdpbf16ps summing all of K in fp32 in the tiles. No per-block store and scaling, which bound the int8 tiles at
+// prefill (AMX Xeon, Q4_1 576 -> 3072 at 512 rows: 1,238 against 733 GFLOP/s); but the dequantizing is per call,
+// whatever the rows: 6x the int8 kernel's time at one row. Hence prompt rows only, whose calls are large.
+// A row's bits do not depend on the other rows: each sums its K in the same tile order.
+constexpr int64_t PAIR_ROW = 2 * W;  // bf16 values per tile row of codes: W lanes x an input pair
+constexpr int64_t BF16_ROW_TASKS = 16;  // as ROW_TASKS, for the tiles' tasks (each dequantizes its quad once)
+
+// W panel features' codes, K inputs -> bf16 rows[K / 2][W][2]
+template <typename F>
+void dequantize_panel(const Packed& w, int64_t p, uint16_t* rows) {
+  constexpr int64_t KS = F::BITS == 8 ? 4 : 8;  // inputs per step of the packed codes
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  __m512i quarter[4];  // lanes 4i .. 4i + 3, each four times: a step's 16 bytes of four lanes
+  for (int i = 0; i < 4; ++i)
+    quarter[i] = _mm512_add_epi32(_mm512_set1_epi32(4 * i),
+                                  _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+  const uint8_t* codes = w.panel(p);
+  const int64_t steps_per_group = w.group / KS;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const __m512 s = (__m512)load_scales<F::HALF>(w.scales, (p * w.groups + g) * W);
+    __m512 S[4], O[4];
+    for (int i = 0; i < 4; ++i) S[i] = _mm512_permutexvar_ps(quarter[i], s);
+    if constexpr (F::OFFSET) {
+      const __m512 o = (__m512)load_scales<F::HALF>(w.offsets, (p * w.groups + g) * W);
+      for (int i = 0; i < 4; ++i) O[i] = _mm512_permutexvar_ps(quarter[i], o);
+    }
+    const auto weight = [&](__m512i code, int i) {
+      const __m512 c = _mm512_cvtepi32_ps(code);
+      if constexpr (F::OFFSET)
+        return _mm512_fmadd_ps(c, S[i], O[i]);
+      else
+        return _mm512_mul_ps(c, S[i]);
+    };
+    for (int64_t st = g * steps_per_group; st < (g + 1) * steps_per_group; ++st) {
+      const uint8_t* c = codes + st * STEP_STRIDE;
+      // NOTE: per lane, the step's inputs in fp32 lanes [lane][t]; two quarters rounded into one vector of bf16
+      // pairs, whose even and odd pairs are the tile rows of inputs (t0, t1) and (t2, t3)
+      if constexpr (F::BITS == 4) {
+        __m512 lo[4], hi[4];
+        for (int i = 0; i < 4; ++i) {
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * i)));
+          lo[i] = weight(_mm512_and_si512(v, _mm512_set1_epi32(15)), i);  // inputs k + t
+          hi[i] = weight(_mm512_srli_epi32(v, 4), i);  // inputs k + 4 + t
+        }
+        const __m512i l01 = (__m512i)_mm512_cvtne2ps_pbh(lo[1], lo[0]), l23 = (__m512i)_mm512_cvtne2ps_pbh(lo[3], lo[2]);
+        const __m512i h01 = (__m512i)_mm512_cvtne2ps_pbh(hi[1], hi[0]), h23 = (__m512i)_mm512_cvtne2ps_pbh(hi[3], hi[2]);
+        uint16_t* r = rows + st * 4 * PAIR_ROW;
+        _mm512_store_si512(r, _mm512_permutex2var_epi32(l01, even, l23));
+        _mm512_store_si512(r + PAIR_ROW, _mm512_permutex2var_epi32(l01, odd, l23));
+        _mm512_store_si512(r + 2 * PAIR_ROW, _mm512_permutex2var_epi32(h01, even, h23));
+        _mm512_store_si512(r + 3 * PAIR_ROW, _mm512_permutex2var_epi32(h01, odd, h23));
+      } else {
+        __m512 f[4];
+        for (int i = 0; i < 4; ++i)
+          f[i] = weight(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * i))), i);
+        const __m512i a = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]), b = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+        uint16_t* r = rows + st * 2 * PAIR_ROW;
+        _mm512_store_si512(r, _mm512_permutex2var_epi32(a, even, b));
+        _mm512_store_si512(r + PAIR_ROW, _mm512_permutex2var_epi32(a, odd, b));
+      }
+    }
+  }
+}
+
+// Tiles: 0-3 sums (two row tiles x two panels), 4-5 x (16 rows x 32 inputs), 6-7 codes (16 input pairs x W lanes)
+inline void configure_bf16_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.rows[t] = AMX_ROWS, c.colsb[t] = 64;
+  load_tile_config(c);
+}
+
+// A tile of sums (fp32, 16 x W) -> y's `rows` rows at feature n0, plus bias, features past n dropped (padding
+// panels): store_tile's arithmetic (one fp32 add of the bias, bf16 rounded to nearest even), in masked vector stores
+template <typename Y>
+void store_sums(const float* sums, int64_t rows, Y* y, int64_t n, int64_t n0, const float* bias) {
+  const int64_t width = std::min<int64_t>(W, n - n0);
+  const __mmask16 lanes = width >= W ? __mmask16(0xffff) : __mmask16((1u << width) - 1);
+  const vf b = bias != nullptr ? (vf)_mm512_maskz_loadu_ps(lanes, bias + n0) : vf{};
+  for (int64_t r = 0; r < rows; ++r) {
+    vf v = load_f(sums + r * W);
+    if (bias != nullptr) v += b;
+    if constexpr (std::is_same_v<Y, float>)
+      _mm512_mask_storeu_ps(y + r * n + n0, lanes, (__m512)v);
+    else
+      _mm256_mask_storeu_epi16(y + r * n + n0, lanes, _mm512_cvtepi32_epi16((__m512i)to_bf16_bits(v)));
+  }
+}
+
+// Rows [0, m) of bf16 x (`pad`: its last m % 16 rows, zero padded to a tile) over panels [p0, p1)
+template <typename F, typename Y>
+void bf16_rows(const uint16_t* x, int64_t m, const uint16_t* pad, const Packed& w, int64_t p0, int64_t p1, Y* y,
+               int64_t n, const float* bias) {
+  const int64_t k_dim = w.k_dim, blocks = k_dim / 32, stride = k_dim * 2, panel_values = k_dim * W;
+  thread_local std::unique_ptr<uint16_t[]> rows_buf;
+  thread_local int64_t rows_size = 0;
+  uint16_t* codes = scratch(rows_buf, rows_size, 2 * panel_values);
+  alignas(64) float sums[4][AMX_ROWS * W];
+  const int64_t whole = m / AMX_ROWS * AMX_ROWS;
+  const auto rows_at = [&](int64_t r) { return r < whole ? x + r * k_dim : pad; };
+  configure_bf16_tiles();
+  for (int64_t p = p0; p < p1; p += 2) {
+    const bool two = p + 1 < p1;
+    dequantize_panel<F>(w, p, codes);
+    if (two) dequantize_panel<F>(w, p + 1, codes + panel_values);
+    const uint16_t *c0 = codes, *c1 = codes + panel_values;
+    tile_reads_memory();  // the codes just written
+    for (int64_t r = 0; r < m; r += 2 * AMX_ROWS) {
+      const bool pair = r + AMX_ROWS < m;
+      const uint16_t *x0 = rows_at(r), *x1 = pair ? rows_at(r + AMX_ROWS) : x0;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      // NOTE: every row sums its blocks in this order, one tdpbf16ps per block, whichever tile and call it is in
+      for (int64_t b = 0; b < blocks; ++b) {
+        _tile_loadd(6, c0 + b * 16 * PAIR_ROW, 64);
+        _tile_loadd(4, x0 + b * 32, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) {
+          _tile_loadd(7, c1 + b * 16 * PAIR_ROW, 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (pair) {
+          _tile_loadd(5, x1 + b * 32, stride);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, sums[0], W * 4);
+      if (two) _tile_stored(1, sums[1], W * 4);
+      if (pair) _tile_stored(2, sums[2], W * 4);
+      if (pair && two) _tile_stored(3, sums[3], W * 4);
+      tile_wrote(sums);
+      const int64_t rows0 = std::min<int64_t>(AMX_ROWS, m - r), rows1 = std::min<int64_t>(AMX_ROWS, m - r - AMX_ROWS);
+      store_sums(sums[0], rows0, y + r * n, n, p * W, bias);
+      if (two) store_sums(sums[1], rows0, y + r * n, n, (p + 1) * W, bias);
+      if (pair) store_sums(sums[2], rows1, y + (r + AMX_ROWS) * n, n, p * W, bias);
+      if (pair && two) store_sums(sums[3], rows1, y + (r + AMX_ROWS) * n, n, (p + 1) * W, bias);
+    }
+  }
+  _tile_release();
+}
 #else
 constexpr bool TILES = false;  // no tiles in this build
 #endif
@@ -425,13 +572,19 @@ void run(const Packed& w, const Acts& a, int64_t m, void* out, int64_t n, const 
 
 using RunFn = void (*)(const Packed&, const Acts&, int64_t, void*, int64_t, const float*, int64_t, int64_t);
 
+// A kernel's instance for each format (code width, fp16 scales, offsets): `make(Fmt<...>{})` names it
+template <typename Fn, typename Make>
+Fn for_format(int64_t bits, bool half, bool offsets, Make make) {
+  const Fn fns[2][2][2] = {{{make(Fmt<4, false, false>{}), make(Fmt<4, false, true>{})},
+                            {make(Fmt<4, true, false>{}), make(Fmt<4, true, true>{})}},
+                           {{make(Fmt<8, false, false>{}), make(Fmt<8, false, true>{})},
+                            {make(Fmt<8, true, false>{}), make(Fmt<8, true, true>{})}}};
+  return fns[bits == 8][half][offsets];
+}
+
 template <typename Y>
 RunFn format_runner(int64_t bits, bool half, bool offsets) {
-  const RunFn fns[2][2][2] = {{{&run<Fmt<4, false, false>, Y>, &run<Fmt<4, false, true>, Y>},
-                               {&run<Fmt<4, true, false>, Y>, &run<Fmt<4, true, true>, Y>}},
-                              {{&run<Fmt<8, false, false>, Y>, &run<Fmt<8, false, true>, Y>},
-                               {&run<Fmt<8, true, false>, Y>, &run<Fmt<8, true, true>, Y>}}};
-  return fns[bits == 8][half][offsets];
+  return for_format<RunFn>(bits, half, offsets, [](auto f) -> RunFn { return &run<decltype(f), Y>; });
 }
 
 // The activation block for a group size: 32, or the group itself when it is 16 (Q6_K).
@@ -499,55 +652,126 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& q, const a
   });
 }
 
+// A call's tasks: whole quads of panels, and where a prefill's rows are many, chunks of `rows_per` rows (a
+// multiple of `align`). NOTE: whole quads of panels per task: no tile straddles two threads. A narrow output (a
+// small model's o_proj and down_proj: 9 quads) left a thread idle for a quad's time at the end of every call, so a
+// prefill's rows go in chunks too: a row's arithmetic is the same whichever chunk it is in.
+// NOTE: tasks go to whichever thread is free, in shrinking runs (guided: each thread's first run is contiguous,
+// as fixed halves were, for the prefetchers), not in fixed halves: a thread the OS takes away for a while (a
+// serving stack's other processes share these cores) leaves its tasks to the other instead of stalling the
+// call. Which thread runs a task changes no bit of it
+template <typename Task>
+void run_tasks(int64_t m, int64_t quads, int64_t align, Task&& task, int64_t row_tasks = ROW_TASKS) {
+  const int64_t chunks = m >= PREFILL_ROWS ? std::min<int64_t>(m / PREFILL_ROWS, row_tasks / quads + 1) : 1;
+  const int64_t rows_per = ((m + chunks - 1) / chunks + align - 1) / align * align;
+  const int64_t tasks = quads * chunks;
+  const int num_threads = int(std::clamp<int64_t>(at::get_num_threads(), 1, tasks));
+#pragma omp parallel for schedule(guided) num_threads(num_threads)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t u = t / chunks, r0 = (t % chunks) * rows_per, r1 = std::min(m, r0 + rows_per);
+    if (r0 < r1) task(u, r0, r1);
+  }
+}
+
+// y (M, N) from x (M, K) fp32 or bf16 rounded to int8 per block
+void int8_rows(const at::Tensor& xc, const Packed& w, int64_t bits, bool half, bool has_offsets, at::Tensor& y,
+               const float* bias) {
+  const int64_t m = xc.size(0), k_dim = w.k_dim, block = act_block(w.group), n = y.size(1);
+  const bool bf16 = xc.scalar_type() == at::kBFloat16;
+  thread_local std::unique_ptr<int8_t[]> q_buf;
+  thread_local std::unique_ptr<float[]> d_buf, xq_buf;
+  thread_local int64_t q_size = 0, d_size = 0, xq_size = 0;
+  int8_t* qx = scratch(q_buf, q_size, m * k_dim);
+  float* d = scratch(d_buf, d_size, m * (k_dim / block));
+  float* xq = scratch(xq_buf, xq_size, m * w.groups);
+  if (bf16)
+    quantize_rows(xc.data_ptr<c10::BFloat16>(), m, k_dim, block, w.group, qx, d, xq);
+  else
+    quantize_rows(xc.data_ptr<float>(), m, k_dim, block, w.group, qx, d, xq);
+  const Acts a{qx, d, xq, k_dim, block, k_dim / block, w.groups};
+  char* yp = static_cast<char*>(y.data_ptr());
+  const int64_t item = y.element_size();
+  const auto fn = bf16 ? format_runner<c10::BFloat16>(bits, half, has_offsets) : format_runner<float>(bits, half, has_offsets);
+  // NOTE: on AMX, chunks of whole x tiles, so that only the call's last rows miss them
+  run_tasks(m, w.quads(), TILES ? AMX_ROWS : 1, [&](int64_t u, int64_t r0, int64_t r1) {
+    fn(w, a.rows_from(r0), r1 - r0, yp + r0 * n * item, n, bias, u, u + 1);
+  });
+}
+
+#if defined(__AMX_BF16__)
+// Quad u of the output: its panels that hold features
+template <typename F, typename Y>
+void bf16_quad(const uint16_t* x, int64_t m, const uint16_t* pad, const Packed& w, int64_t u, void* y, int64_t n,
+               const float* bias) {
+  bf16_rows<F, Y>(x, m, pad, w, QUAD * u, std::min(QUAD * (u + 1), (n + W - 1) / W), static_cast<Y*>(y), n, bias);
+}
+
+using Bf16Fn = void (*)(const uint16_t*, int64_t, const uint16_t*, const Packed&, int64_t, void*, int64_t, const float*);
+
+template <typename Y>
+Bf16Fn bf16_runner(int64_t bits, bool half, bool offsets) {
+  return for_format<Bf16Fn>(bits, half, offsets, [](auto f) -> Bf16Fn { return &bf16_quad<decltype(f), Y>; });
+}
+
+// y (M, N) from x (M, K) in bf16 on the tiles
+void bf16_rows_of(const at::Tensor& xc, const Packed& w, int64_t bits, bool half, bool has_offsets, at::Tensor& y,
+                  const float* bias) {
+  const int64_t m = xc.size(0), k_dim = w.k_dim, n = y.size(1), tail = m % AMX_ROWS;
+  const at::Tensor xb = xc.to(at::kBFloat16).contiguous();  // (M, K)
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  // NOTE: the last m % 16 rows zero padded to a whole tile: no tile load reads past x
+  at::Tensor pad = at::zeros({AMX_ROWS * k_dim + 32}, xb.options());
+  uint16_t* pad_rows = reinterpret_cast<uint16_t*>(pad.data_ptr());
+  pad_rows += ((64 - reinterpret_cast<uintptr_t>(pad_rows) % 64) % 64) / 2;
+  std::memcpy(pad_rows, x + (m - tail) * k_dim, tail * k_dim * 2);
+  char* yp = static_cast<char*>(y.data_ptr());
+  const int64_t item = y.element_size();
+  const auto fn = y.scalar_type() == at::kBFloat16 ? bf16_runner<c10::BFloat16>(bits, half, has_offsets)
+                                                   : bf16_runner<float>(bits, half, has_offsets);
+  // NOTE: each task dequantizes its quad's codes: a narrow output's rows in fewer chunks than the int8 kernel's
+  run_tasks(m, w.quads(), AMX_ROWS, [&](int64_t u, int64_t r0, int64_t r1) {
+    fn(x + r0 * k_dim, r1 - r0, r1 == m ? pad_rows : nullptr, w, u, yp + r0 * n * item, n, bias);
+  }, BF16_ROW_TASKS);
+}
+constexpr bool BF16_TILES = true;
+#else
+void bf16_rows_of(const at::Tensor&, const Packed&, int64_t, bool, bool, at::Tensor&, const float*) {}
+constexpr bool BF16_TILES = false;
+#endif
+
+// x (..., K) -> (..., N). `prompt_rows` (M,) bool, in the amx build: those rows on bf16 tiles, the rest int8. A row
+// takes one kernel or the other by what it is (models/quant_linear.py), never by what else is in the call.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
-                  const std::optional<at::Tensor>& bias, int64_t bits, int64_t group, int64_t out_features) {
+                  const std::optional<at::Tensor>& bias, int64_t bits, int64_t group, int64_t out_features,
+                  const std::optional<at::Tensor>& prompt_rows) {
   const auto [m, groups] = check_packed(x, codes, scales, offsets, bits, group, out_features);
   TORCH_CHECK(group % 32 == 0 || (bits == 8 && group == 16), "groups must be packed by this library");
-  const int64_t k_dim = x.size(-1), block = act_block(group);
+  const int64_t k_dim = x.size(-1);
   const bool half = scales.scalar_type() == at::kHalf, has_offsets = offsets.numel() > 0;
   // NOTE: bf16 is read as it is (widened exactly in quantize_rows); other dtypes go through fp32
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor xc = (bf16 ? x : x.to(at::kFloat)).reshape({-1, k_dim}).contiguous();  // (M, K)
   // NOTE: bf16 rows give bf16 rows, rounded in the tile store as Tensor.to would round the fp32 ones
-  const LinearOut out = linear_out(x, m, out_features, bias, bf16 ? at::kBFloat16 : at::kFloat);
-  if (m > 0) {
-    thread_local std::unique_ptr<int8_t[]> q_buf;
-    thread_local std::unique_ptr<float[]> d_buf, xq_buf;
-    thread_local int64_t q_size = 0, d_size = 0, xq_size = 0;
-    int8_t* qx = scratch(q_buf, q_size, m * k_dim);
-    float* d = scratch(d_buf, d_size, m * (k_dim / block));
-    float* xq = scratch(xq_buf, xq_size, m * groups);
-    if (bf16)
-      quantize_rows(xc.data_ptr<c10::BFloat16>(), m, k_dim, block, group, qx, d, xq);
-    else
-      quantize_rows(xc.data_ptr<float>(), m, k_dim, block, group, qx, d, xq);
-    const Acts a{qx, d, xq, k_dim, block, k_dim / block, groups};
-    const Packed w{codes.data_ptr<uint8_t>(), scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr, k_dim,
-                   group, groups, codes.size(1)};
-    void* yp = out.y.data_ptr();
-    const auto fn = bf16 ? format_runner<c10::BFloat16>(bits, half, has_offsets)
-                         : format_runner<float>(bits, half, has_offsets);
-    // NOTE: whole quads of panels per task: no tile straddles two threads. A narrow output (a small model's
-    // o_proj and down_proj: 9 quads) left a thread idle for a quad's time at the end of every call, so a
-    // prefill's rows go in chunks too: a row's arithmetic is the same whichever chunk it is in
-    const int64_t quads = codes.size(0) / QUAD, item = out.y.element_size();
-    const int64_t chunks = m >= PREFILL_ROWS ? std::min<int64_t>(m / PREFILL_ROWS, ROW_TASKS / quads + 1) : 1;
-    // NOTE: on AMX, chunks of whole x tiles, so that only the call's last rows miss them
-    const int64_t rows_per = TILES ? ((m + chunks - 1) / chunks + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS
-                                   : (m + chunks - 1) / chunks;
-    // NOTE: tasks go to whichever thread is free, in shrinking runs (guided: each thread's first run is
-    // contiguous, as fixed halves were, for the prefetchers), not in fixed halves: a thread the OS takes
-    // away for a while (a serving stack's other processes share these cores) leaves its tasks to the other
-    // instead of stalling the call. Which thread runs a task changes no bit of it
-    const int64_t tasks = quads * chunks;
-    const int num_threads = int(std::clamp<int64_t>(at::get_num_threads(), 1, tasks));
-#pragma omp parallel for schedule(guided) num_threads(num_threads)
-    for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t u = t / chunks, r0 = (t % chunks) * rows_per, r1 = std::min(m, r0 + rows_per);
-      if (r0 < r1)
-        fn(w, a.rows_from(r0), r1 - r0, static_cast<char*>(yp) + r0 * out_features * item, out_features,
-           out.bias_ptr(), u, u + 1);
-    }
+  LinearOut out = linear_out(x, m, out_features, bias, bf16 ? at::kBFloat16 : at::kFloat);
+  const Packed w{codes.data_ptr<uint8_t>(), scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr, k_dim,
+                 group, groups, codes.size(1), codes.size(0)};
+  at::Tensor tiled;  // (P,) the prompt rows' indices
+  if (prompt_rows.has_value())
+    TORCH_CHECK(prompt_rows->numel() == m && prompt_rows->scalar_type() == at::kBool, "prompt_rows: (M,) bool");
+  // NOTE: the tiles take inputs 32 at a time: a K of 16 x an odd number (groups of 16) stays on the int8 kernel
+  if (BF16_TILES && prompt_rows.has_value() && m > 0 && k_dim % 32 == 0) tiled = prompt_rows->nonzero().view(-1);
+  if (!tiled.defined() || tiled.numel() == 0) {
+    if (m > 0) int8_rows(xc, w, bits, half, has_offsets, out.y, out.bias_ptr());
+  } else if (tiled.numel() == m) {
+    bf16_rows_of(xc, w, bits, half, has_offsets, out.y, out.bias_ptr());
+  } else {
+    const at::Tensor rest = prompt_rows->logical_not().nonzero().view(-1);
+    at::Tensor y_tiled = at::empty({tiled.numel(), out_features}, out.y.options());
+    at::Tensor y_rest = at::empty({rest.numel(), out_features}, out.y.options());
+    bf16_rows_of(xc.index_select(0, tiled), w, bits, half, has_offsets, y_tiled, out.bias_ptr());
+    int8_rows(xc.index_select(0, rest), w, bits, half, has_offsets, y_rest, out.bias_ptr());
+    out.y.index_copy_(0, tiled, y_tiled);
+    out.y.index_copy_(0, rest, y_rest);
   }
   return out.result(x);
 }

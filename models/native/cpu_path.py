@@ -40,6 +40,12 @@ INT8_BY_DEFAULT = {"amx": frozenset({4, 8}), "avx512_bf16": frozenset({4, 8}), "
                    "avx2": frozenset({4})}
 # What runs the integer dot products at each level (`CpuPath.activations`)
 INT8_KERNELS = {"amx": "int8-amx", "avx512_bf16": "int8-vnni", "avx512": "int8-avx512", "avx2": "int8-avx2", "generic": "int8-portable"}
+# Where auto takes a prompt token's rows of the int8-activation linears off the int8 kernel, and onto what
+# (`CpuPath.prompt_activations`): at the amx level, the codes dequantized to bf16 per call on AMX's bf16 tiles
+# (models/csrc/q8_linear.cpp), 1.5-2x the int8 tiles from ~300 rows, but 5x slower at one row (the dequantizing is
+# per call): prompts' calls are large, decode's small. Measured on an AMX Xeon (docs/benchmarks.md, "Prompts on
+# bf16 tiles"). A token takes one kernel or the other by what it is, never by its call: batch invariant.
+PROMPT_KERNELS = {"amx": "bf16-amx"}
 
 
 @dataclass(frozen=True)
@@ -67,9 +73,11 @@ class CpuPath:
     note: str = ""  # why a slower choice was honoured
     quantization: str = "none"  # the quantized linears' formats (models/quant_linear.py), beside `linear`
     activations: str = "exact"  # the quantized linears' activations: exact, or INT8_KERNELS' name
+    prompt_activations: str = ""  # PROMPT_KERNELS' name where prompt tokens take another kernel than `activations`
 
     def describe(self) -> str:
         quant = "" if self.quantization == "none" else f" quantized={self.quantization} activations={self.activations}"
+        quant += f" prompts={self.prompt_activations}" if self.prompt_activations else ""
         text = (f"device={self.device} isa={self.isa} dtype={self.dtype} weights={self.weight_dtype} "
                 f"linear={self.linear}{quant} attention={self.attention} threads={self.num_threads}")
         return f"{text} ({self.note})" if self.note else text
@@ -97,6 +105,14 @@ def int8_code_bits(caps: CpuCapabilities, requested: str) -> frozenset[int]:
     if requested == "auto":
         return INT8_BY_DEFAULT.get(caps.isa, frozenset())
     return frozenset({4, 8}) if requested == "int8" else frozenset()
+
+
+def prompt_kernel(caps: CpuCapabilities, requested: str) -> str:
+    """What takes prompt tokens' int8-activation linears instead: PROMPT_KERNELS' entry for auto, nothing
+    for an explicit int8 (every row on the integer kernel, as asked) or exact."""
+    if requested not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}")
+    return PROMPT_KERNELS.get(caps.isa, "") if requested == "auto" else ""
 
 
 def choose_cpu_path(caps: CpuCapabilities, requested: str, checkpoint_dtype: str, weights_fit_bf16: bool,

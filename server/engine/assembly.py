@@ -2,6 +2,7 @@
 tokenizer, the KV pool and its manager, the runner, the draft proposer, and what they describe."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,7 @@ def assemble(config: EngineConfig, model: DecoderLM | None = None, tokenizer: An
         tokenizer = tokenizer or load_tokenizer(path)
     else:
         dtype = dtype_name(model.dtype)
-        prepare(model, detect(config.device), dtype, dtype, config.device)
+        prepare(model, detect(config.device), dtype, dtype, config.device, config.activations)
     if pooling is None or config.task == BOTH:
         _require_lm_head(model, config.model)
     if pooling is not None and config.max_loras:  # NOTE: task auto found an embedding model
@@ -119,7 +120,8 @@ def _assemble_parallel(config: EngineConfig, tokenizer: Any) -> EngineParts:
 
     path = resolve_model(config.model)
     executor = RayExecutor(config)
-    cpu_path = executor.cpu_path
+    # NOTE: the ranks' steps take no prompt rows (DistributedRunner): every row on the int8 kernel
+    cpu_path = dataclasses.replace(executor.cpu_path, prompt_activations="")
     _describe(cpu_path)
     tokenizer = tokenizer or load_tokenizer(path)
     cfg = read_model_config(path)

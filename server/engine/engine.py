@@ -50,7 +50,8 @@ class LLMEngine:
                                    self.kv_spec.bytes_per_block,
                                    on_free=(lambda r: self.proposer.release(r.request_id)) if self.proposer else None,
                                    policy=config.scheduling_policy,
-                                   on_finish=self._release_lora if self.loras is not None else None)
+                                   on_finish=self._release_lora if self.loras is not None else None,
+                                   cache_output_blocks=not self.runner.prompt_tiles)
         self.outputs = OutputProcessor(self.scheduler, p.eos_token_ids, p.max_model_len)
         self.groups = self.outputs.groups  # NOTE: the one dict of unfinished requests, the processor's
         self.speculation = Speculation(p.spec, p.proposer, self.scheduler, p.max_model_len) if p.spec else None

@@ -1,6 +1,7 @@
 """Turns a SchedulerOutput into tensors, runs the model over the paged cache, samples."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -50,6 +51,9 @@ class Batch:
     pooling_rows: torch.Tensor | None = None  # (P,) the rows embedding requests pool (server/engine/pooling.py)
     pooling_counts: tuple[int, ...] = ()  # per embedding sequence of the step, in order: its rows among them
     lora: LoraMetadata | None = None  # the rows that have a LoRA adapter, by slot; None: no row has one
+    # (T,) bool: the rows that are prompt tokens, where the runner takes them on a prompt kernel (`prompt_tiles`)
+    # and the step has any; None: every row on the int8-activation kernel
+    prompt_tokens: torch.Tensor | None = None
 
     @property
     def num_sampling_rows(self) -> int:
@@ -92,6 +96,12 @@ class ModelRunner:
         self.depth = 1  # steps in flight at once (pipeline stages keep several)
         step = choose_step(model, cache, compile, native, self._warm_up, "model", lora_slots)
         self.forward, self.step, self.compile_seconds = step.forward, step.kind, step.seconds
+        # NOTE: only the native decoder passes a step's prompt rows to the linears: elsewhere every row takes the
+        # int8 kernel, and the model's path says so
+        self.prompt_tiles = bool(model.cpu_path is not None and model.cpu_path.prompt_activations)
+        if self.prompt_tiles and self.step != "native":
+            model.cpu_path = dataclasses.replace(model.cpu_path, prompt_activations="")
+            self.prompt_tiles = False
 
     def _warm_up(self, forward) -> None:
         """Compile (or load from the disk cache) before serving: a prefill step, then a decode.
@@ -117,6 +127,7 @@ class ModelRunner:
         scored: tuple[list[int], list[int], list[int], list[tuple]] = ([], [], [], [])  # PromptRows' + their rows
         pool_rows: list[int] = []
         pool_counts: list[int] = []
+        prompt_tokens: list[np.ndarray] = []  # per sequence, which of its rows are prompt tokens
         row_slots: list[int | None] = []  # per row its LoRA slot (drafts' too: verification uses the adapter)
         for s in out.seqs:
             c, n, req, drafts = s.num_computed_tokens, s.num_new_tokens, s.request, s.draft_token_ids
@@ -126,6 +137,8 @@ class ModelRunner:
             ids.extend(req.all_token_ids[c:c + n])
             ids.extend(drafts)
             positions.append(np.arange(c, c + s.query_len))
+            if self.prompt_tiles:  # NOTE: by position, so a preempted request's recomputed output tokens stay output tokens
+                prompt_tokens.append(positions[-1] < req.num_prompt_tokens)
             if req.embedding is not None:
                 chosen = req.embedding.rows(c, n, req.num_tokens)
                 pool_rows.extend(len(ids) - n + i for i in chosen)
@@ -169,6 +182,7 @@ class ModelRunner:
             pooling_rows=torch.tensor(pool_rows, dtype=torch.long, device=self.device) if pool_counts else None,
             pooling_counts=tuple(pool_counts),
             lora=lora,
+            prompt_tokens=_prompt_tokens(prompt_tokens, self.device),
         )
 
     def execute(self, batch: Batch) -> StepResult:
@@ -179,10 +193,12 @@ class ModelRunner:
         """Start the step: here the model runs at once. NOTE: a step with no adapter row calls the model
         without `lora`, so it runs no LoRA code (and the compiled graph without it)."""
         attention = PagedAttention(self.cache, batch.attn)
+        rows = {} if batch.prompt_tokens is None else {"prompt_tokens": batch.prompt_tokens}
         if batch.lora is None:
-            hidden = self.forward(batch.input_ids, batch.positions, attention)  # (T, C)
+            hidden = self.forward(batch.input_ids, batch.positions, attention, **rows)  # (T, C)
         else:
-            hidden = self.forward(batch.input_ids, batch.positions, attention, lora=LoraStep(self.lora_slots, batch.lora))
+            hidden = self.forward(batch.input_ids, batch.positions, attention, lora=LoraStep(self.lora_slots, batch.lora),
+                                  **rows)
         pooled = hidden[batch.pooling_rows].float() if batch.pooling_rows is not None else None  # (P, C)
         if not len(batch.logits_indices):
             return Pending(None, pooled)
@@ -228,6 +244,13 @@ class ModelRunner:
         return torch.split(pending.pooled, list(batch.pooling_counts))
 
 
+def _prompt_tokens(per_seq: list[np.ndarray], device: torch.device) -> torch.Tensor | None:
+    """The step's (T,) prompt-token rows, or None where it has none (a decode step runs as it would without)."""
+    if not per_seq or not any(rows.any() for rows in per_seq):
+        return None
+    return torch.from_numpy(np.concatenate(per_seq)).to(device)
+
+
 def _on(meta: LoraMetadata, device: torch.device) -> LoraMetadata:
     """The step's LoRA rows on the model's device (LoraMetadata.of builds them on the CPU)."""
     if device.type == "cpu":
@@ -261,6 +284,7 @@ class DistributedRunner(ModelRunner):
         self.executor, self.spec, self.vocab_size = executor, spec, vocab_size
         self.model, self.cache, self.device = None, None, torch.device("cpu")
         self.lora_slots = None  # NOTE: EngineConfig refuses LoRA with tensor or pipeline parallelism
+        self.prompt_tiles = False  # NOTE: the ranks' steps take no prompt rows: every row on the int8 kernel
         start = time.perf_counter()
         self.step = executor.init_cache(num_blocks)
         self.compile_seconds = time.perf_counter() - start

@@ -101,7 +101,9 @@ class NativeDecoder:
                                 [lora_slots.ranks[k] for k in keys])
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttention,
-                 lora: LoraStep | None = None) -> torch.Tensor:
+                 lora: LoraStep | None = None, prompt_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """`prompt_tokens`: (T,) bool, the rows that are prompt tokens, which the int8-activation linears then
+        take on their prompt kernel (models/native/cpu_path.py PROMPT_KERNELS); None: every row on the int8 one."""
         model, m, cache = self.model, attention.meta, attention.cache
         if lora is not None and lora.slots is not self.lora_slots:  # NOTE: the stack holds the slots it was built with
             raise ValueError("a LoRA step over slots this NativeDecoder was not built with")
@@ -111,4 +113,4 @@ class NativeDecoder:
         t = input_ids.shape[0]
         return self.stack.forward(x, cos.view(t, self.head_dim), sin.view(t, self.head_dim), cache.k, cache.v,
                                   m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc, m.max_query_len,
-                                  m.max_seq_len, cache.scales.k, cache.scales.v, *rows)  # (T, C)
+                                  m.max_seq_len, cache.scales.k, cache.scales.v, *rows, prompt_tokens)  # (T, C)

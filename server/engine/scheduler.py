@@ -60,13 +60,16 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, bytes_per_block: int,
                  on_free: Callable[[Request], None] | None = None, policy: str = "fcfs",
-                 on_finish: Callable[[Request], None] | None = None) -> None:
+                 on_finish: Callable[[Request], None] | None = None, cache_output_blocks: bool = True) -> None:
+        """`cache_output_blocks`: False where a prompt token's KV is computed by another kernel than an output
+        token's (server/engine/model_runner.py `prompt_tiles`): then only blocks of prompt tokens are shared."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, not {policy!r}")
         self.kv = kv
         self.by_priority = policy == "priority"
         self.on_free = on_free  # a request's blocks were freed (finish or preemption): e.g. a draft model's KV too
         self.on_finish = on_finish  # a request finished (not preempted): e.g. its LoRA adapter's pin goes
+        self.cache_output_blocks = cache_output_blocks
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.bytes_per_block = bytes_per_block
@@ -218,7 +221,11 @@ class Scheduler:
                 req.num_computed_tokens += (num_accepted or {}).get(req.request_id, 0)
                 self.kv.trim(req.request_id, req.num_computed_tokens)
             if req.embedding is None:
-                self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt)
+                # NOTE: a later prompt holding these output tokens computes them as prompt tokens: where those take
+                # another kernel, a hit on this request's blocks would give it other KV than a miss, and another output
+                cached = req.num_computed_tokens if self.cache_output_blocks else min(req.num_computed_tokens,
+                                                                                      req.num_prompt_tokens)
+                self.kv.cache_full_blocks(req.request_id, req.all_token_ids, cached, req.cache_salt)
             self.kv.free_unseen(req.request_id, req.num_computed_tokens)  # NOTE: after caching: freed, still a prefix
             if req.num_computed_tokens >= req.num_prompt_tokens and req.request_id in self.held:
                 self.waiting.extendleft(reversed(self.held.pop(req.request_id)))
