@@ -264,16 +264,19 @@ def test_numbers_end_for_twenty_pydantic_models(client):
 
 
 def test_a_repeated_tool_call_ends_the_answer_streamed_and_not(client):
-    """The default model answers this, at temperature 0, with one call and then the same call again
-    and again: the answer ends at the first repeat, with the unique calls, and frees its blocks."""
+    """The default model answers this, at temperature 0, with a call (two, where prompt tokens take the int8
+    kernel) and then the same call again and again: the answer ends at the first repeat, long before
+    max_tokens, with the unique calls, and frees its blocks."""
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris and London, and the time in Tokyo?"}],
               tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required", temperature=0, max_tokens=400)
-    whole = client.chat.completions.create(**kw).choices[0]
+    response = client.chat.completions.create(**kw)
+    whole = response.choices[0]
     with client.beta.chat.completions.stream(**kw) as events:
         streamed = events.get_final_completion().choices[0]
     calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == calls
-    assert whole.finish_reason == streamed.finish_reason == "tool_calls" and len(set(calls)) == len(calls) >= 2
+    assert whole.finish_reason == streamed.finish_reason == "tool_calls" and len(set(calls)) == len(calls) >= 1
+    assert 0 < response.usage.completion_tokens < 200
     assert not whole.message.content and not streamed.message.content
     for _ in range(100):  # the engine reports the aborted request's blocks freed with its next stats
         if used_blocks() == 0:
