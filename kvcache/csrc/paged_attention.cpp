@@ -467,6 +467,44 @@ inline void release_qk_tiles() {}
 inline void qk_scores(const void*, int64_t, int64_t, const uint32_t*, int, int, float*) {}
 #endif
 
+// A decode's values for R rows of one head: acc (rows Dp apart) * correction, then + p[t] * V row t over keys
+// [first, end), key by key (a row's steps, in its order, as one row alone takes them). The R rows share each
+// V row's load (and a bf16 row's widening, exact, in registers).
+template <int NV, int R, typename V>
+inline void add_value_rows(float* acc, const float* correction, const float* pf, const V* const* v, int first, int end,
+                           int base) {
+  constexpr int Dp = NV * W;
+  vf av[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) av[i][j] = load(acc + i * Dp + j * W) * correction[i];
+  for (int t = first; t < end; ++t) {
+    vf x[NV];
+    for (int j = 0; j < NV; ++j) x[j] = load_vec(v[t] + j * W);
+    for (int i = 0; i < R; ++i) {
+      const vf pt = splat(pf[i * KEY_CHUNK + t - base]);
+      for (int j = 0; j < NV; ++j) av[i][j] = fmadd(x[j], pt, av[i][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) store(acc + i * Dp + j * W, av[i][j]);
+}
+
+// add_value_rows over a head's n rows, as many at a time as keep their accumulators in registers
+template <int NV, typename V>
+inline void add_values(float* acc, int n, const float* correction, const float* pf, const V* const* v, int first,
+                       int end, int base) {
+  constexpr int REGS = W == 16 ? 32 : 16, RB = std::clamp((REGS - NV - 2) / NV, 1, 4);
+  for (int r0 = 0; r0 < n; r0 += RB) {
+    const int nr = std::min(RB, n - r0);
+    [&]<int... R>(std::integer_sequence<int, R...>) {
+      ((nr == R + 1 ? add_value_rows<NV, R + 1, V>(acc + r0 * NV * W, correction + r0, pf + r0 * KEY_CHUNK, v, first,
+                                                    end, base)
+                    : void()),
+       ...);
+    }(std::make_integer_sequence<int, RB>{});
+  }
+}
+
 // A decode: one query token, KV heads [first, first + num), each head's group of query heads
 // as rows. A head's K rows are transposed (keys as lanes), so each row's scores are head_dim
 // multiply-adds in order, as a prefill tile's lane takes them; DECODE_CHUNKS chunks at a time, whose
@@ -489,7 +527,8 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
   alignas(64) float kf[SPAN * Dp];
   alignas(64) float vfb[SPAN * Dp];
   alignas(64) float kT[NC * Dp * KC];  // [chunk][d][key]: K, keys as lanes (bf16 path: [chunk][pair][key])
-  alignas(64) float pf[KC];
+  alignas(64) float pf[MAX_TILE_ROWS * KC];  // a chunk's weights, per row of the head
+  alignas(64) vf srows[MAX_TILE_ROWS][NC * CH];  // the span's scores, per row of the head
   float mrow[MAX_TILE_ROWS], lrow[MAX_TILE_ROWS];
 
   const int64_t first_qhead = int64_t(w.first_head) * group;  // row r is query head first_qhead + r
@@ -536,6 +575,10 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
   C* vs = v_stage.data();
   const float* kr[SPAN];  // the fp32 K and V rows of the span's keys, for the current head
   const float* vr[SPAN];
+  // NOTE: a bf16 pool's V rows (head_dim whole vectors) are widened in registers by the values' loop, not
+  // copied out widened first: the same fp32 values, without a store and a reload per key, head and row
+  const bool v_bf16 = W == 16 && std::is_same_v<C, c10::BFloat16> && !in_place && L.head_dim == Dp;
+  const c10::BFloat16* vb[SPAN];
   int64_t offs[SPAN];
   // NOTE: chunks at multiples of KEY_CHUNK, as a prefill tile's; the keys before the window's start are masked, never read
   for (int64_t key0 = first_key - first_key % KC; key0 < num_keys; key0 += SPAN) {
@@ -565,8 +608,12 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
         }
         k_rows[t] = ks + t * span + hh * L.head_dim;
         if (!bf16_path) to_float<K, NV>(k_rows[t], kf + t * Dp, int(L.head_dim));
-        to_float<C, NV>(vs + t * span + hh * L.head_dim, vfb + t * Dp, int(L.head_dim));
         kr[t] = kf + t * Dp;
+        if (v_bf16) {
+          vb[t] = reinterpret_cast<const c10::BFloat16*>(vs + t * span + hh * L.head_dim);
+          continue;
+        }
+        to_float<C, NV>(vs + t * span + hh * L.head_dim, vfb + t * Dp, int(L.head_dim));
         vr[t] = vfb + t * Dp;
       }
       if (tile_path) {  // the head's rows' scores, chunk by chunk (rows of keys outside [t0, nk) are masked below)
@@ -597,7 +644,7 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
         }
       }
       for (int r = hh * group; r < (hh + 1) * group; ++r) {
-        vf s[NC * CH];  // the span's scores, W keys per vector
+        vf* s = srows[r - hh * group];  // the span's scores, W keys per vector
         for (int i = 0; i < NC * CH; ++i) s[i] = vf{};
         if constexpr (bf16_dot<T, K, NV>()) {
 #if ATTNSERVE_BF16_DOT
@@ -634,38 +681,43 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
           }
           for (int i = 0; i < NC * CH; ++i) s[i] = sc[i];
         }
-        // the online softmax, chunk by chunk
-        for (int cc = 0; cc < num_chunks; ++cc) {
+      }
+      // the online softmax, chunk by chunk: every row's weights, then the values, each V row loaded once for
+      // all the head's rows. NOTE: per row the same steps in the same order as one row at a time
+      for (int cc = 0; cc < num_chunks; ++cc) {
+        vi valid[CH];  // lanes of keys in [t0, nk)
+        for (int c = 0; c < CH; ++c) {
+          const vi key = LANES + (cc * KC + c * W);
+          valid[c] = (key >= t0) & (key < nk);
+        }
+        float correction[MAX_TILE_ROWS];
+        for (int i = 0; i < group; ++i) {
+          const int r = hh * group + i;
+          vf* s = srows[i];
           vf smax = splat(NEG_INF);
-          vi valid[CH];  // lanes of keys in [t0, nk)
           for (int c = 0; c < CH; ++c) {
-            const vi key = LANES + (cc * KC + c * W);
-            valid[c] = (key >= t0) & (key < nk);
             vf& x = s[cc * CH + c];
             if (capped) x = var.cap(x);  // before the masked lanes' -inf: tanh would make it finite
             x = valid[c] ? x : splat(NEG_INF);
             smax = vmax(smax, x);
           }
           const float m_old = mrow[r], m_new = std::max(m_old, hmax(smax));
-          const float correction = m_old == NEG_INF ? 0.f : exp_neg(splat(m_old - m_new))[0];
+          correction[i] = m_old == NEG_INF ? 0.f : exp_neg(splat(m_old - m_new))[0];
           vf psum = vf{};
           for (int c = 0; c < CH; ++c) {
             const vf p = valid[c] ? exp_neg(s[cc * CH + c] - m_new) : vf{};
-            store(pf + c * W, p);
+            store(pf + i * KC + c * W, p);
             psum += p;
           }
           mrow[r] = m_new;
-          lrow[r] = lrow[r] * correction + hsum(psum);
-          float* a = acc + r * Dp;
-          vf av[NV];
-          for (int j = 0; j < NV; ++j) av[j] = load(a + j * W) * correction;
-          const int first = std::max(t0, cc * KC), end = std::min(nk, (cc + 1) * KC);
-          for (int t = first; t < end; ++t) {
-            const vf pt = splat(pf[t - cc * KC]);
-            for (int j = 0; j < NV; ++j) av[j] = fmadd(load(vr[t] + j * W), pt, av[j]);
-          }
-          for (int j = 0; j < NV; ++j) store(a + j * W, av[j]);
+          lrow[r] = lrow[r] * correction[i] + hsum(psum);
         }
+        const int first = std::max(t0, cc * KC), end = std::min(nk, (cc + 1) * KC);
+        float* a = acc + hh * group * Dp;
+        if (v_bf16)
+          add_values<NV>(a, group, correction, pf, vb, first, end, cc * KC);
+        else
+          add_values<NV>(a, group, correction, pf, vr, first, end, cc * KC);
       }
     }
   }
