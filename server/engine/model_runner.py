@@ -100,6 +100,8 @@ class ModelRunner:
         # int8 kernel, and the model's path says so
         self.prompt_tiles = bool(model.cpu_path is not None and model.cpu_path.prompt_activations)
         if self.prompt_tiles and self.step != "native":
+            logger.info("attnserve: prompt tokens take the %s kernel too: the %s step passes no prompt rows",
+                        model.cpu_path.activations, self.step)
             model.cpu_path = dataclasses.replace(model.cpu_path, prompt_activations="")
             self.prompt_tiles = False
 
