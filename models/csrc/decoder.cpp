@@ -62,16 +62,20 @@ using Int8LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::
                                 const std::optional<at::Tensor>&, int64_t, int64_t, c10::SymInt,
                                 const std::optional<at::Tensor>&);
 
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> linear_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
 // `prompt_rows`: (T,) bool, the rows that are prompt tokens (q8_linear takes them on bf16 tiles where it has them)
 at::Tensor quant_linear(const at::Tensor& x, const Linear& w, const std::optional<at::Tensor>& prompt_rows) {
   // NOTE: each looked up on its first use, when the library of those linears has been loaded
   if (w.int8_activations) {
-    static const auto int8 = c10::Dispatcher::singleton().findSchemaOrThrow("attnserve::q8_linear", "").typed<Int8LinearFn>();
+    static const auto int8 = linear_op<Int8LinearFn>("attnserve::q8_linear");
     return int8.call(x, w.codes, w.scales, w.offsets, w.bias, w.bits, w.group_size, c10::SymInt(w.out_features),
                      prompt_rows);
   }
-  static const auto exact =
-      c10::Dispatcher::singleton().findSchemaOrThrow("attnserve::quant_linear", "").typed<LinearFn>();
+  static const auto exact = linear_op<LinearFn>("attnserve::quant_linear");
   return exact.call(x, w.codes, w.scales, w.offsets, w.bias, w.bits, w.group_size, c10::SymInt(w.out_features));
 }
 

@@ -674,7 +674,7 @@ void run_tasks(int64_t m, int64_t quads, int64_t align, Task&& task, int64_t row
 }
 
 // y (M, N) from x (M, K) fp32 or bf16 rounded to int8 per block
-void int8_rows(const at::Tensor& xc, const Packed& w, int64_t bits, bool half, bool has_offsets, at::Tensor& y,
+void int8_rows(const at::Tensor& xc, const Packed& w, int64_t bits, bool half, bool has_offsets, const at::Tensor& y,
                const float* bias) {
   const int64_t m = xc.size(0), k_dim = w.k_dim, block = act_block(w.group), n = y.size(1);
   const bool bf16 = xc.scalar_type() == at::kBFloat16;
@@ -714,16 +714,19 @@ Bf16Fn bf16_runner(int64_t bits, bool half, bool offsets) {
 }
 
 // y (M, N) from x (M, K) in bf16 on the tiles
-void bf16_rows_of(const at::Tensor& xc, const Packed& w, int64_t bits, bool half, bool has_offsets, at::Tensor& y,
-                  const float* bias) {
+void bf16_rows_of(const at::Tensor& xc, const Packed& w, int64_t bits, bool half, bool has_offsets,
+                  const at::Tensor& y, const float* bias) {
   const int64_t m = xc.size(0), k_dim = w.k_dim, n = y.size(1), tail = m % AMX_ROWS;
   const at::Tensor xb = xc.to(at::kBFloat16).contiguous();  // (M, K)
   const uint16_t* x = reinterpret_cast<const uint16_t*>(xb.data_ptr());
   // NOTE: the last m % 16 rows zero padded to a whole tile: no tile load reads past x
-  at::Tensor pad = at::zeros({AMX_ROWS * k_dim + 32}, xb.options());
-  uint16_t* pad_rows = reinterpret_cast<uint16_t*>(pad.data_ptr());
-  pad_rows += ((64 - reinterpret_cast<uintptr_t>(pad_rows) % 64) % 64) / 2;
-  std::memcpy(pad_rows, x + (m - tail) * k_dim, tail * k_dim * 2);
+  thread_local std::unique_ptr<uint16_t[]> pad_buf;
+  thread_local int64_t pad_size = 0;
+  uint16_t* pad_rows = tail > 0 ? scratch(pad_buf, pad_size, AMX_ROWS * k_dim) : nullptr;
+  if (tail > 0) {
+    std::memcpy(pad_rows, x + (m - tail) * k_dim, tail * k_dim * 2);
+    std::memset(pad_rows + tail * k_dim, 0, (AMX_ROWS - tail) * k_dim * 2);
+  }
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t item = y.element_size();
   const auto fn = y.scalar_type() == at::kBFloat16 ? bf16_runner<c10::BFloat16>(bits, half, has_offsets)
@@ -735,7 +738,7 @@ void bf16_rows_of(const at::Tensor& xc, const Packed& w, int64_t bits, bool half
 }
 constexpr bool BF16_TILES = true;
 #else
-void bf16_rows_of(const at::Tensor&, const Packed&, int64_t, bool, bool, at::Tensor&, const float*) {}
+void bf16_rows_of(const at::Tensor&, const Packed&, int64_t, bool, bool, const at::Tensor&, const float*) {}
 constexpr bool BF16_TILES = false;
 #endif
 
@@ -752,7 +755,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor xc = (bf16 ? x : x.to(at::kFloat)).reshape({-1, k_dim}).contiguous();  // (M, K)
   // NOTE: bf16 rows give bf16 rows, rounded in the tile store as Tensor.to would round the fp32 ones
-  LinearOut out = linear_out(x, m, out_features, bias, bf16 ? at::kBFloat16 : at::kFloat);
+  const LinearOut out = linear_out(x, m, out_features, bias, bf16 ? at::kBFloat16 : at::kFloat);
   const Packed w{codes.data_ptr<uint8_t>(), scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr, k_dim,
                  group, groups, codes.size(1), codes.size(0)};
   at::Tensor tiled;  // (P,) the prompt rows' indices
