@@ -470,6 +470,16 @@ inline void release_qk_tiles() {}
 inline void qk_scores(const void* const*, int64_t, const uint32_t*, int, int, float*) {}
 #endif
 
+// NOTE: on the tiles (`tile_path`: head_dim whole tiles of bf16 pairs), a bf16 pool's chunk of keys (16 keys
+// of one block, where block_size is a multiple of KEY_CHUNK) is read where it lies: K by strided tile loads,
+// in decode and prefill alike, and a decode's V rows by the values' loop. A tile load of rows just copied out
+// waited for the copy's stores (a quarter of the decode's time). Measured: a batch-1 step at 1,600 tokens of
+// context 12.8 -> 11.0 ms; 32 decodes over L3-resident blocks 25% faster, over DRAM-cold ones alike.
+template <typename C>
+inline bool k_tiles_in_pool(bool tile_path, const Layout& L) {
+  return tile_path && std::is_same_v<C, c10::BFloat16> && L.block_size % KEY_CHUNK == 0;
+}
+
 // A decode's values for R rows of one head: acc (rows Dp apart) * correction, then + p[t] * V row t over keys
 // [first, end), key by key (a row's steps, in its order, as one row alone takes them). The R rows share each
 // V row's load (and a bf16 row's widening, exact, in registers).
@@ -569,12 +579,7 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
   // are what the math reads, a whole-rows item still reads each block in order, and the two
   // copies cost more than the math.
   const bool in_place = std::is_same_v<C, float> && L.head_dim == Dp;
-  // NOTE: on the tiles, a bf16 pool's chunk (16 keys of one block, as block_size is a multiple of KEY_CHUNK)
-  // is read where it lies: K by strided tile loads, V by the values' loop. A tile load of rows just copied
-  // out waited for the copy's stores (a quarter of the decode's time). Measured: a batch-1 step at 1,600
-  // tokens of context 12.8 -> 11.0 ms; 32 decodes over L3-resident blocks 25% faster, over DRAM-cold ones alike.
-  const bool pool_tiles = tile_path && std::is_same_v<C, c10::BFloat16> && std::is_same_v<K, C> &&
-                          L.head_dim == Dp && L.block_size % KC == 0;
+  const bool pool_tiles = k_tiles_in_pool<C>(tile_path, L);  // V's rows are read there too
   const int64_t span = w.num_heads * L.head_dim;
   thread_local std::vector<K> k_stage;
   thread_local std::vector<C> v_stage;
@@ -776,8 +781,7 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
   const bool bf16_path = bf16_dot<T, K, NV>() && L.head_dim == Dp;
   constexpr bool TILED = QK_TILES && bf16_dot<T, K, NV>();
   const bool tile_path = TILED && bf16_path;  // q.k on the tiles
-  const bool pool_tiles = tile_path && std::is_same_v<C, c10::BFloat16> && std::is_same_v<K, C> &&
-                          L.block_size % KC == 0;  // K's tiles loaded from the pool (a decode's NOTE)
+  const bool pool_tiles = k_tiles_in_pool<C>(tile_path, L);
   alignas(64) uint16_t k_tile[TILED ? KC * Dp : 1];  // tile path: the chunk's K rows, side by side
   alignas(64) float chunk_scores[TILED ? KC * W : 1];
   vi pos;  // each lane's token position; -1 for unused lanes (no key is visible)
@@ -823,7 +827,7 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
     for (int t = 0; t < KC; ++t) s[t] = vf{};
     if constexpr (bf16_dot<T, K, NV>()) {
 #if ATTNSERVE_BF16_DOT
-      if (pool_tiles) {  // the chunk's K rows where they lie (a decode's NOTE)
+      if (pool_tiles) {  // the chunk's K rows where they lie
         const void* chunk[1] = {k_cache + kv_offset(sv, key0, head, L)};
         qk_scores(chunk, L.cache_stride_tok * int64_t(sizeof(C)), qT2, Dp / 32, 1, chunk_scores);
         for (int t = 0; t < KC; ++t) s[t] = load(chunk_scores + t * W) * scale;
