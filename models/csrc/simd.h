@@ -65,8 +65,8 @@ inline vf fmadd(vf a, vf b, vf c) {
 }
 
 // v, loaded once into a register: GCC otherwise folds the load into each FMA that reads v, one load per row of
-// a tile, and a tile of few rows is then bound by loads (AVX2, the exact quantized linear's widened codes: 2/3 of
-// the speed)
+// a tile, and a tile of few rows is then bound by loads (AVX2, the exact quantized linear's widened codes: about 3/4
+// of the speed)
 inline vf in_register(vf v) {
 #if defined(__x86_64__)
   asm("" : "+v"(v));
