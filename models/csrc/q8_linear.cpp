@@ -47,10 +47,16 @@ constexpr int64_t STEP_STRIDE = QUAD * LANE_BYTES;  // bytes from one step of a 
 
 // How far ahead a tile prefetches its codes, and into which caches. On the AMX Xeon (480 MiB L3, which
 // holds the default model) 32 steps ahead into every level (T0) took one row's pass over the default model
-// from 9.7 to 6.5 ms against 8 steps non-temporally; the other levels keep the setting they were measured with.
+// from 9.7 to 6.5 ms against 8 steps non-temporally. On Zen 4 (32 MiB L3, the weights from DRAM) 8 steps into L2
+// (T2) took the Q8_0 pass from 6.9 to 6.1 ms (bench_linear, three alternating runs); into every level was no
+// faster than non-temporally. Under the AVX2 cap the difference was within noise: the AVX2 and portable builds
+// keep non-temporal.
 #if defined(__AMX_INT8__)
 constexpr int64_t PREFETCH_STEPS = 32;
 constexpr int PREFETCH_LOCALITY = 3;
+#elif defined(__AVX512F__)
+constexpr int64_t PREFETCH_STEPS = 8;
+constexpr int PREFETCH_LOCALITY = 1;
 #else
 constexpr int64_t PREFETCH_STEPS = 8;
 constexpr int PREFETCH_LOCALITY = 0;
@@ -185,6 +191,17 @@ vq splat_q(int32_t v);  // declared only: nothing calls them here
 vq flip_signs(vq w);
 #endif
 
+// Quad tiles: rows that take a quad's four panels at once, one stream of codes (the pair tiles of Q8_ROWS rows
+// read half of each 256-byte step, the other half on a second pass). One row always does. Signed 8-bit codes on
+// VNNI (flipped, so a row costs one instruction a code vector) do in tiles of up to 3 rows, for calls of up to 8
+// rows. Measured on Zen 4 (bench_linear, Q8_0 x8 bf16, three alternating runs, docs/benchmarks.md "Quad tiles"):
+// 4 rows 121-136 -> 136-153 GFLOP/s, 8 rows 181-201 -> 204-232; at 32 and 512 rows within noise, so those keep
+// the pair tiles. 4-bit codes in quad tiles of 2 rows measured slower at 4 and 8 rows (145-155 against 164-184).
+template <int BITS>
+constexpr int QUAD_ROWS = BITS == 8 && FLIPPED_CODES ? 3 : 1;
+template <int BITS>
+constexpr int64_t QUAD_MAX_ROWS = BITS == 8 && FLIPPED_CODES ? 8 : 1;
+
 struct Packed {
   const uint8_t* codes;
   const void* scales;  // fp32 or fp16
@@ -293,9 +310,9 @@ void tile(const Acts& a, const Packed& w, int64_t p0, Y* y, int64_t n, const flo
 template <typename Y>
 using TileFn = void (*)(const Acts&, const Packed&, int64_t, Y*, int64_t, const float*);
 
-template <typename F, typename Y, int... R>
+template <typename F, typename Y, int NP, int... R>
 constexpr std::array<TileFn<Y>, sizeof...(R)> tiles(std::integer_sequence<int, R...>) {
-  return {&tile<F, Y, R + 1, 2>...};
+  return {&tile<F, Y, R + 1, NP>...};
 }
 
 constexpr int64_t AMX_ROWS = 16;  // rows per x tile: from this many rows on, a call's whole tiles of rows take AMX
@@ -566,17 +583,22 @@ void bf16_rows(const uint16_t* x, int64_t m, const uint16_t* pad, const Packed& 
 constexpr bool TILES = false;  // no tiles in this build
 #endif
 
-// Quads [u0, u1) of the output: one row takes a quad's four panels at once (four chains, one stream
-// of codes); more rows go two panels at a time, in row blocks that share each load (on AMX, whole tiles
-// of 16 rows first).
+// Quads [u0, u1) of the output: up to QUAD_MAX_ROWS rows take a quad's four panels at once (one stream of
+// codes), in row blocks of QUAD_ROWS; more rows go two panels at a time, in row blocks that share each load (on
+// AMX, whole tiles of 16 rows first).
 template <typename F, typename Y>
 void run(const Packed& w, const Acts& a, int64_t m, void* out, int64_t n, const float* bias, int64_t u0, int64_t u1) {
   Y* y = static_cast<Y*>(out);
-  if (m == 1) {
-    for (int64_t u = u0; u < u1; ++u) tile<F, Y, 1, 4>(a, w, u * QUAD, y, n, bias);
+  static_assert(QUAD_MAX_ROWS<F::BITS> < AMX_ROWS, "quad tiles take calls too small for the AMX tiles");
+  if (m <= QUAD_MAX_ROWS<F::BITS>) {
+    static constexpr auto quad_tiles = tiles<F, Y, 4>(std::make_integer_sequence<int, QUAD_ROWS<F::BITS>>{});
+    for (int64_t u = u0; u < u1; ++u)
+      row_blocks(m, QUAD_ROWS<F::BITS>, [&](int64_t r, int nr) {
+        quad_tiles[nr - 1](a.rows_from(r), w, u * QUAD, y + r * n, n, bias);
+      });
     return;
   }
-  static constexpr auto row_tiles = tiles<F, Y>(std::make_integer_sequence<int, Q8_ROWS>{});
+  static constexpr auto row_tiles = tiles<F, Y, 2>(std::make_integer_sequence<int, Q8_ROWS>{});
   // NOTE: a quad's padding may hold whole pairs of panels past n: never computed
   const int64_t p1 = std::min(QUAD * u1, (n + 2 * W - 1) / (2 * W) * 2);
   // Tiles from 16 rows on for 8-bit codes, from 32 for 4-bit ones (whose vector tiles are as fast up to 32
