@@ -577,9 +577,15 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
   // the strided per-head reads the math would make; the math then reads the L1-resident copy.
   // An fp32 pool (head_dim a whole number of vectors) is read where it lies instead: the rows
   // are what the math reads, a whole-rows item still reads each block in order, and the two
-  // copies cost more than the math.
+  // copies cost more than the math. An item of one head (a decode when there are fewer sequences
+  // than 2 per thread) reads only its head's part of each row: no sequential read to gain, so its
+  // rows are read where they lie too, when K's rows need no widening (`direct`): the copy loop is then
+  // only the prefetches, issued a span ahead at once instead of one key's worth per copied row. On
+  // Zen 4, batch-1 decode steps of the Q8_0 model, 4 alternating pairs: 8.6 -> 7.7 ms (contexts
+  // 128-928), 6.9 -> 6.7 ms (128-228).
   const bool in_place = std::is_same_v<C, float> && L.head_dim == Dp;
   const bool pool_tiles = k_tiles_in_pool<C>(tile_path, L);  // V's rows are read there too
+  const bool direct = std::is_same_v<K, C> && w.num_heads == 1 && !in_place && !pool_tiles;
   const int64_t span = w.num_heads * L.head_dim;
   thread_local std::vector<K> k_stage;
   thread_local std::vector<C> v_stage;
@@ -604,7 +610,7 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
         prefetch_keys(k_cache, v_cache, sv, key0 + t + PREFETCH_KEYS, 1, w.first_head, span * int64_t(sizeof(C)), L);
       }
       offs[t] = kv_offset(sv, key0 + t, w.first_head, L);
-      if (in_place || pool_tiles) continue;
+      if (in_place || pool_tiles || direct) continue;
       copy_k(k_cache + offs[t], ks + t * span, span);
       std::memcpy(vs + t * span, v_cache + offs[t], span * sizeof(C));
     }
@@ -624,14 +630,18 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
           vb[t] = reinterpret_cast<const c10::BFloat16*>(v_cache + offs[t] + hh * L.head_dim);
           continue;
         }
-        k_rows[t] = ks + t * span + hh * L.head_dim;
+        const C* v_row = direct ? v_cache + offs[t] + hh * L.head_dim : vs + t * span + hh * L.head_dim;
+        if constexpr (std::is_same_v<K, C>)
+          k_rows[t] = direct ? k_cache + offs[t] + hh * L.head_dim : ks + t * span + hh * L.head_dim;
+        else
+          k_rows[t] = ks + t * span + hh * L.head_dim;
         if (!bf16_path) to_float<K, NV>(k_rows[t], kf + t * Dp, int(L.head_dim));
         kr[t] = kf + t * Dp;
         if (v_bf16) {
-          vb[t] = reinterpret_cast<const c10::BFloat16*>(vs + t * span + hh * L.head_dim);
+          vb[t] = reinterpret_cast<const c10::BFloat16*>(v_row);
           continue;
         }
-        to_float<C, NV>(vs + t * span + hh * L.head_dim, vfb + t * Dp, int(L.head_dim));
+        to_float<C, NV>(v_row, vfb + t * Dp, int(L.head_dim));
         vr[t] = vfb + t * Dp;
       }
       if (tile_path) {  // the head's rows' scores, chunk by chunk (rows of keys outside [t0, nk) are masked below)
