@@ -621,20 +621,23 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
           kr[t] = ZERO_ROW;
           continue;
         }
+        const C* k_pool = k_cache + offs[t] + hh * L.head_dim;  // the key's rows in the pool
+        const C* v_pool = v_cache + offs[t] + hh * L.head_dim;
         if (in_place) {
-          kr[t] = fp32_row(k_cache + offs[t] + hh * L.head_dim);
-          vr[t] = fp32_row(v_cache + offs[t] + hh * L.head_dim);
+          kr[t] = fp32_row(k_pool);
+          vr[t] = fp32_row(v_pool);
           continue;
         }
         if (pool_tiles) {
-          vb[t] = reinterpret_cast<const c10::BFloat16*>(v_cache + offs[t] + hh * L.head_dim);
+          vb[t] = reinterpret_cast<const c10::BFloat16*>(v_pool);
           continue;
         }
-        const C* v_row = direct ? v_cache + offs[t] + hh * L.head_dim : vs + t * span + hh * L.head_dim;
+        const K* k_staged = ks + t * span + hh * L.head_dim;
+        const C* v_row = direct ? v_pool : vs + t * span + hh * L.head_dim;
         if constexpr (std::is_same_v<K, C>)
-          k_rows[t] = direct ? k_cache + offs[t] + hh * L.head_dim : ks + t * span + hh * L.head_dim;
+          k_rows[t] = direct ? k_pool : k_staged;
         else
-          k_rows[t] = ks + t * span + hh * L.head_dim;
+          k_rows[t] = k_staged;  // NOTE: `direct` is false where K's rows are widened
         if (!bf16_path) to_float<K, NV>(k_rows[t], kf + t * Dp, int(L.head_dim));
         kr[t] = kf + t * Dp;
         if (v_bf16) {
