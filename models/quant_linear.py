@@ -23,7 +23,6 @@ from models.quant_formats import dequantize_codes
 if TYPE_CHECKING:
     from models.quant_formats import QuantizedTensor
 
-PANELS_PER_QUAD = 4  # models/csrc/quant_panels.h's QUAD: panels whose rows interleave in the packed codes
 ACTIVATIONS = ("exact", "int8")  # x as given (fp32 sums), or rounded to int8 per block (integer dot products)
 
 _LIB = torch.library.Library("attnserve", "FRAGMENT")
@@ -33,6 +32,10 @@ _LIB.define("pack_quant(Tensor q, Tensor scale, Tensor? offset, int bits, int gr
 _LIB.define("q8_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias, int bits, "
             "int group_size, SymInt out_features, Tensor? prompt_rows=None) -> Tensor")
 _LIB.define("pack_q8(Tensor q, Tensor scale, Tensor? offset, int bits, int group_size) -> (Tensor, Tensor, Tensor)")
+# rows `ids` of a packed matrix as fp32 (T, in_features): a tied embedding's lookup (QuantEmbedding)
+for _name in ("quant_rows", "q8_rows"):
+    _LIB.define(f"{_name}(Tensor codes, Tensor scales, Tensor offsets, Tensor ids, int bits, int group_size, "
+                "int in_features, int out_features) -> Tensor")
 
 
 @torch.library.register_fake("attnserve::quant_linear")
@@ -43,6 +46,12 @@ def _(x, codes, scales, offsets, bias, bits, group_size, out_features):
 @torch.library.register_fake("attnserve::q8_linear")
 def _(x, codes, scales, offsets, bias, bits, group_size, out_features, prompt_rows=None):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.register_fake("attnserve::quant_rows")
+@torch.library.register_fake("attnserve::q8_rows")
+def _(codes, scales, offsets, ids, bits, group_size, in_features, out_features):
+    return codes.new_empty((ids.numel(), in_features), dtype=torch.float32)
 
 
 class QuantLinear(nn.Module):
@@ -139,9 +148,12 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.bits is not None:
-            rows = _packed_rows(self.codes, self.scales, self.offsets, ids, self.bits, self.embedding_dim,
-                                self.int8_layout)
-            return _dequantize(*rows, self.group_size, self.out_dtype)  # (T, C)
+            # NOTE: one native op (~5 us), not the dozen torch ops of gathering out of the panels' layout, which were
+            # 0.17-0.20 ms of a 6 ms batch-1 step (Zen 4, Q8_0 file: cold caches after the weights' stream)
+            op = torch.ops.attnserve.q8_rows if self.int8_layout else torch.ops.attnserve.quant_rows
+            rows = op(self.codes, self.scales, self.offsets, ids.reshape(-1), self.bits, self.group_size,
+                      self.embedding_dim, self.num_embeddings)  # (T, C) fp32
+            return rows.to(self.out_dtype).view(*ids.shape, self.embedding_dim)
         offset = None if self.offset is None else self.offset[ids]
         return _dequantize(self.q[ids], self.scale[ids], offset, self.group_size, self.out_dtype)  # (T, C)
 
@@ -175,33 +187,6 @@ def move_to_huge_pages(model: nn.Module) -> int:
             if t is not None and id(t) in moved:
                 m._buffers[name] = moved[id(t)]
     return total
-
-
-def _packed_rows(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor, bits: int,
-                 k_dim: int, int8_layout: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Rows `ids` of a packed matrix (panels of W features, the rows of each quad of panels
-    interleaved; models/csrc/quant_linear.cpp's layout, or q8_linear.cpp's) as (codes, scales,
-    offsets) of QuantizedTensor's form."""
-    num_panels, _, w = scales.shape
-    panel, lane = ids // w, ids % w
-    quad, slot = panel // PANELS_PER_QUAD, panel % PANELS_PER_QUAD
-    num_quads = num_panels // PANELS_PER_QUAD
-    if int8_layout and bits == 8:
-        # NOTE: each lane holds 4 consecutive inputs per step
-        q = codes.view(num_quads, k_dim // 4, PANELS_PER_QUAD, w, 4)[quad, :, slot, lane]  # (T, K / 4, 4)
-        q = q.reshape(-1, k_dim).view(torch.int8)  # (T, K)
-    elif int8_layout:
-        # NOTE: per step of 8 inputs, byte t of a lane holds input t (low nibble) and t + 4 (high)
-        b = codes.view(num_quads, k_dim // 8, PANELS_PER_QUAD, w, 4)[quad, :, slot, lane]  # (T, K / 8, 4)
-        q = torch.cat([b & 15, b >> 4], dim=-1).view(torch.int8).reshape(-1, k_dim)  # (T, K)
-    elif bits == 8:
-        q = codes.view(num_quads, k_dim, PANELS_PER_QUAD, w)[quad, :, slot, lane].view(torch.int8)  # (T, K)
-    else:
-        # NOTE: byte (i, j) of each run of 32 inputs holds input i (low nibble) and i + 16 (high)
-        b = codes.view(num_quads, k_dim // 32, 16, PANELS_PER_QUAD, w)[quad, :, :, slot, lane]  # (T, K / 32, 16)
-        q = torch.cat([b & 15, b >> 4], dim=-1).view(torch.int8).reshape(-1, k_dim)  # (T, K)
-    offset = offsets[panel, :, lane].float() if offsets.numel() else None  # (T, K / G)
-    return q, scales[panel, :, lane].float(), offset
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group_size: int,

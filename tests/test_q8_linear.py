@@ -127,6 +127,10 @@ def test_tied_embedding_reads_the_int8_packed_head(fmt):
     table = QuantEmbedding.tied(head, torch.float32)
     ids = torch.tensor([0, 1, 15, 16, 17, 63, 64, 99, 99, 5])
     assert torch.equal(table(ids), w.dequantize()[ids])
+    bf16 = QuantEmbedding.tied(head, torch.bfloat16)  # ids of any shape; rounded once, from the fp32 rows
+    assert torch.equal(bf16(ids.view(2, 5)), w.dequantize()[ids].to(torch.bfloat16).view(2, 5, 1152))
+    with pytest.raises(RuntimeError, match="out of range"):
+        table(torch.tensor([-1]))
 
 
 def test_packing_rejects_groups_it_cannot_block():

@@ -128,6 +128,10 @@ def test_tied_embedding_reads_the_packed_head(bits, group, scales, offsets):
     table = QuantEmbedding.tied(head, torch.float32)
     ids = torch.tensor([0, 1, 15, 16, 17, 63, 64, 99, 99, 5])
     assert torch.equal(table(ids), w.dequantize()[ids])
+    bf16 = QuantEmbedding.tied(head, torch.bfloat16)  # ids of any shape; rounded once, from the fp32 rows
+    assert torch.equal(bf16(ids.view(2, 5)), w.dequantize()[ids].to(torch.bfloat16).view(2, 5, 1152))
+    with pytest.raises(RuntimeError, match="out of range"):
+        table(torch.tensor([3, 100]))
     assert table.codes.data_ptr() == head.codes.data_ptr()  # the head's storage, not a copy
     assert table.weight.dtype == torch.float32 and table.embedding_dim == 1152 and table.num_embeddings == 100
 

@@ -680,23 +680,21 @@ void quantize_rows(const T* x, int64_t m, int64_t k_dim, int64_t block, int64_t 
   });
 }
 
+// Where code k of a panel's feature j lies: (byte from the panel's first row, shift of its nibble). 8-bit codes:
+// 4 consecutive inputs per lane and step; 4-bit: byte t of a lane's step holds input t (low nibble) and t + 4
+// (high). Packing and reading rows (pack_panels, unpack_rows) share it.
+inline std::pair<int64_t, int> code_place(int64_t bits, int64_t j, int64_t k) {
+  if (bits == 8) return {(k / 4) * STEP_STRIDE + 4 * j + k % 4, 0};
+  const int64_t t = k % 8;
+  return {(k / 8) * STEP_STRIDE + 4 * j + t % 4, t < 4 ? 0 : 4};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& q, const at::Tensor& scale,
                                                     const std::optional<at::Tensor>& offset, int64_t bits,
                                                     int64_t group) {
   TORCH_CHECK(group % 32 == 0 || (bits == 8 && group == 16),
               "8-bit activations need groups of a multiple of 32 (or 16 for 8-bit codes)");
-  return pack_panels(q, scale, offset, bits, group, [bits](uint8_t* dst, int64_t p, int64_t panel_bytes, int64_t j,
-                                                           const int8_t* row, int64_t k_dim) {
-    uint8_t* panel = dst + panel_offset(p, panel_bytes, LANE_BYTES);
-    for (int64_t k = 0; k < k_dim; ++k) {
-      if (bits == 8) {
-        panel[(k / 4) * STEP_STRIDE + 4 * j + k % 4] = uint8_t(row[k]);
-      } else {
-        const int64_t step = k / 8, t = k % 8;
-        panel[step * STEP_STRIDE + 4 * j + t % 4] |= uint8_t(row[k] << (t < 4 ? 0 : 4));
-      }
-    }
-  });
+  return pack_panels<code_place, LANE_BYTES>(q, scale, offset, bits, group);
 }
 
 // A call's tasks: whole quads of panels, and where a prefill's rows are many, chunks of `rows_per` rows (a
@@ -833,4 +831,5 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
 TORCH_LIBRARY_IMPL(attnserve, CPU, m) {
   m.impl("q8_linear", &linear);
   m.impl("pack_q8", &pack);
+  m.impl("q8_rows", &unpack_rows<code_place, LANE_BYTES>);
 }

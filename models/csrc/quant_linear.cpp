@@ -239,23 +239,20 @@ RunFn format_runner(int64_t bits, bool half, bool offsets) {
   return fns[bits == 8][half][offsets];
 }
 
+// Where code k of a panel's feature j lies: (byte from the panel's first row, shift of its nibble); the file's
+// head has the layout. Packing and reading rows (pack_panels, unpack_rows) share it.
+inline std::pair<int64_t, int> code_place(int64_t bits, int64_t j, int64_t k) {
+  if (bits == 8) return {k * ROW_STRIDE + j, 0};
+  const int64_t c = k / 32, i = k % 32;
+  return {(c * 16 + i % 16) * ROW_STRIDE + j, i < 16 ? 0 : 4};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& q, const at::Tensor& scale,
                                                     const std::optional<at::Tensor>& offset, int64_t bits,
                                                     int64_t group) {
   TORCH_CHECK(bits == 8 || group % 32 == 0, "4-bit codes need groups of a multiple of 32");
   TORCH_CHECK(group % 2 == 0, "groups must be even (the code tiles take k in pairs)");
-  return pack_panels(q, scale, offset, bits, group, [bits](uint8_t* dst, int64_t p, int64_t panel_bytes, int64_t j,
-                                                           const int8_t* row, int64_t k_dim) {
-    uint8_t* panel = dst + panel_offset(p, panel_bytes, W);
-    for (int64_t k = 0; k < k_dim; ++k) {
-      if (bits == 8) {
-        panel[k * ROW_STRIDE + j] = uint8_t(row[k]);
-      } else {
-        const int64_t c = k / 32, i = k % 32;
-        panel[(c * 16 + i % 16) * ROW_STRIDE + j] |= uint8_t(row[k] << (i < 16 ? 0 : 4));
-      }
-    }
-  });
+  return pack_panels<code_place, W>(q, scale, offset, bits, group);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
@@ -295,4 +292,5 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
 TORCH_LIBRARY_IMPL(attnserve, CPU, m) {
   m.impl("quant_linear", &linear);
   m.impl("pack_quant", &pack);
+  m.impl("quant_rows", &unpack_rows<code_place, W>);
 }

@@ -16,6 +16,7 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -114,13 +115,17 @@ inline void row_blocks(int64_t rows, int max_rows, F&& f) {
   }
 }
 
+// A file's layout of one feature's codes: where code k of a panel's feature j lies, as (byte from the panel's
+// first row, shift of its nibble). With LANE_BYTES (panel_offset's), all that packing and reading rows need.
+using CodePlace = std::pair<int64_t, int> (*)(int64_t bits, int64_t j, int64_t k);
+
 // Codes (N, K) int8 with (N, K / group) scales and offsets -> (codes, scales, offsets) in panels:
-// codes (panels, panel_bytes) uint8, each feature's row written by `place(panel, j, row)`; scales and
-// offsets (panels, groups, W), fp16 where every value is exactly one, else fp32; offsets empty when none.
-template <typename Place>
+// codes (panels, panel_bytes) uint8, each code where PLACE puts it; scales and offsets (panels, groups, W),
+// fp16 where every value is exactly one, else fp32; offsets empty when none.
+template <CodePlace PLACE, int64_t LANE_BYTES>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_panels(const at::Tensor& q, const at::Tensor& scale,
                                                            const std::optional<at::Tensor>& offset, int64_t bits,
-                                                           int64_t group, Place&& place) {
+                                                           int64_t group) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "codes must be int8 (out_features, in_features)");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   const int64_t n = q.size(0), k_dim = q.size(1);
@@ -143,7 +148,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_panels(const at::Tensor& q, 
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t j = 0; j < W && p * W + j < n; ++j) {
-        place(dst, p, panel_bytes, j, src + (p * W + j) * k_dim, k_dim);
+        uint8_t* panel = dst + panel_offset(p, panel_bytes, LANE_BYTES);
+        const int8_t* row = src + (p * W + j) * k_dim;
+        for (int64_t k = 0; k < k_dim; ++k) {
+          const auto [byte, shift] = PLACE(bits, j, k);
+          panel[byte] |= uint8_t(row[k] << shift);  // NOTE: into zeros: an 8-bit code's byte is the code
+        }
         for (int64_t g = 0; g < groups; ++g) {
           s_dst[(p * groups + g) * W + j] = s_src[(p * W + j) * groups + g];
           o_dst[(p * groups + g) * W + j] = o_src[(p * W + j) * groups + g];
@@ -180,6 +190,56 @@ inline std::pair<int64_t, int64_t> check_packed(const at::Tensor& x, const at::T
               "out_features does not match the panels");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
   return {x.numel() / std::max<int64_t>(k_dim, 1), groups};
+}
+
+// Rows `ids` of a packed (N, K) matrix as fp32 (T, K): each code times its scale, then plus its offset
+// (models/quant_formats.py dequantize_codes, op for op), for an embedding that reads a tied LM head's panels
+// (models/quant_linear.py QuantEmbedding); the op `quant_rows` / `q8_rows` of the file whose layout it reads.
+template <CodePlace PLACE, int64_t LANE_BYTES>
+at::Tensor unpack_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+                       const at::Tensor& ids, int64_t bits, int64_t group, int64_t k_dim, int64_t n) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.size(1) == k_dim * W * bits / 8 && n <= codes.size(0) * W,
+              "codes must be packed by this library");
+  const bool half = scales.scalar_type() == at::kHalf, has_offsets = offsets.numel() > 0;
+  TORCH_CHECK(group > 0 && k_dim % group == 0 && scales.dim() == 3 && scales.size(0) == codes.size(0) &&
+                  scales.size(1) == k_dim / group && scales.size(2) == W && scales.is_contiguous() &&
+                  (half || scales.scalar_type() == at::kFloat) &&
+                  (!has_offsets || (offsets.sizes() == scales.sizes() && offsets.is_contiguous() &&
+                                    offsets.scalar_type() == scales.scalar_type())),
+              "scales and offsets must be packed by this library");
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "ids must be int64");
+  const at::Tensor idx = ids.contiguous().view(-1);
+  const int64_t t = idx.numel(), groups = k_dim / group, panel_bytes = codes.size(1);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t r = 0; r < t; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "id ", ip[r], " out of range for ", n, " rows");
+  at::Tensor out = at::empty({t, k_dim}, codes.options().dtype(at::kFloat));
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const void* sp = scales.data_ptr();
+  const void* fp = has_offsets ? offsets.data_ptr() : nullptr;
+  float* op = out.data_ptr<float>();
+  const auto value = [half](const void* table, int64_t at) {
+    return half ? float(static_cast<const at::Half*>(table)[at]) : static_cast<const float*>(table)[at];
+  };
+  at::parallel_for(0, t, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t p = ip[r] / W, j = ip[r] % W;
+      const uint8_t* panel = cp + panel_offset(p, panel_bytes, LANE_BYTES);
+      for (int64_t g = 0; g < groups; ++g) {
+        const float scale = value(sp, (p * groups + g) * W + j);
+        const float offset = has_offsets ? value(fp, (p * groups + g) * W + j) : 0.f;
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+          const auto [byte, shift] = PLACE(bits, j, k);
+          const int code = bits == 8 ? int(int8_t(panel[byte])) : (panel[byte] >> shift) & 15;
+          float w = float(code) * scale;
+          if (has_offsets) w = w + offset;  // NOTE: two roundings, as the reference's (no fused multiply-add)
+          op[r * k_dim + k] = w;
+        }
+      }
+    }
+  });
+  return out;
 }
 
 }  // namespace
