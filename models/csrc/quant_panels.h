@@ -170,10 +170,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_panels(const at::Tensor& q, 
   return {codes, scales, has_offsets ? offsets : at::empty({0}, scales.options())};
 }
 
-// The packed tensors' checks against x; returns (M rows, groups).
-inline std::pair<int64_t, int64_t> check_packed(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                                                const at::Tensor& offsets, int64_t bits, int64_t group,
-                                                int64_t out_features) {
+// The packed tensors' checks for a matrix of `k_dim` inputs and `out_features` outputs; returns its groups.
+inline int64_t check_panels(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
+                            int64_t group, int64_t k_dim, int64_t out_features) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(0) % QUAD == 0,
               "codes must be packed by this library");
@@ -183,11 +182,19 @@ inline std::pair<int64_t, int64_t> check_packed(const at::Tensor& x, const at::T
                   (!has_offsets || (offsets.sizes() == scales.sizes() && offsets.is_contiguous() &&
                                     offsets.scalar_type() == scales.scalar_type())),
               "scales and offsets must be packed by this library (panels of ", W, " features)");
-  const int64_t panels = codes.size(0), k_dim = x.size(-1), groups = scales.size(1);
+  const int64_t panels = codes.size(0), groups = scales.size(1);
   TORCH_CHECK(codes.size(1) == k_dim * W * bits / 8 && groups * group == k_dim && scales.size(0) == panels,
-              "x has ", k_dim, " features; the weights do not");
+              "the weights do not take ", k_dim, " input features");
   TORCH_CHECK(out_features > panels * W - QUAD * W && out_features <= panels * W,
               "out_features does not match the panels");
+  return groups;
+}
+
+// The packed tensors' checks against x; returns (M rows, groups).
+inline std::pair<int64_t, int64_t> check_packed(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                                                const at::Tensor& offsets, int64_t bits, int64_t group,
+                                                int64_t out_features) {
+  const int64_t k_dim = x.size(-1), groups = check_panels(codes, scales, offsets, bits, group, k_dim, out_features);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
   return {x.numel() / std::max<int64_t>(k_dim, 1), groups};
 }
@@ -198,20 +205,11 @@ inline std::pair<int64_t, int64_t> check_packed(const at::Tensor& x, const at::T
 template <CodePlace PLACE, int64_t LANE_BYTES>
 at::Tensor unpack_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
                        const at::Tensor& ids, int64_t bits, int64_t group, int64_t k_dim, int64_t n) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.size(1) == k_dim * W * bits / 8 && n <= codes.size(0) * W,
-              "codes must be packed by this library");
+  const int64_t groups = check_panels(codes, scales, offsets, bits, group, k_dim, n);
   const bool half = scales.scalar_type() == at::kHalf, has_offsets = offsets.numel() > 0;
-  TORCH_CHECK(group > 0 && k_dim % group == 0 && scales.dim() == 3 && scales.size(0) == codes.size(0) &&
-                  scales.size(1) == k_dim / group && scales.size(2) == W && scales.is_contiguous() &&
-                  (half || scales.scalar_type() == at::kFloat) &&
-                  (!has_offsets || (offsets.sizes() == scales.sizes() && offsets.is_contiguous() &&
-                                    offsets.scalar_type() == scales.scalar_type())),
-              "scales and offsets must be packed by this library");
   TORCH_CHECK(ids.scalar_type() == at::kLong, "ids must be int64");
   const at::Tensor idx = ids.contiguous().view(-1);
-  const int64_t t = idx.numel(), groups = k_dim / group, panel_bytes = codes.size(1);
+  const int64_t t = idx.numel(), panel_bytes = codes.size(1);
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t r = 0; r < t; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "id ", ip[r], " out of range for ", n, " rows");
   at::Tensor out = at::empty({t, k_dim}, codes.options().dtype(at::kFloat));
