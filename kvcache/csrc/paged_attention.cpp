@@ -3,7 +3,8 @@
 // One call per layer covers a whole step: every sequence with its own number of new (query)
 // tokens and its own context. Work items are (sequence, KV head, query tile); the query heads
 // of a GQA group share each K/V read, and the softmax is online (flash style), so the only
-// per-item state is the tile's accumulators. Math is fp32 whatever the storage dtype.
+// per-item state is the tile's accumulators. Math is fp32 whatever the storage dtype, but for one
+// rounding: a bf16 model's softmax weights are rounded to bf16 for P.V in the avx512_bf16 build (PV_PAIRS).
 //
 // The cache may hold 8-bit floats (e4m3 or e5m2) with one power-of-two scale per layer for K and
 // one for V: K's scale folds into the query scale, V's into the output, so the loops only widen.
@@ -20,8 +21,9 @@
 // take the same steps per row: q.k summed over head_dim in order (in the amx build, on the tiles, 32
 // dims a step, both paths alike: qk_scores); the online softmax per chunk of
 // KEY_CHUNK keys at multiples of KEY_CHUNK (masked keys add exact zeros); each chunk's sum folded in
-// the same tree; the values accumulated key by key. The library is built with -ffp-contract=off, so
-// only the multiply-adds spelled out (fmadd) are fused, in both paths alike.
+// the same tree; the values accumulated key by key (in the avx512_bf16 build, pair by pair: PV_PAIRS). The
+// library is built with -ffp-contract=off, so only the multiply-adds spelled out (fmadd) are fused, in both
+// paths alike.
 //
 // Vectors are GCC vector extensions of W floats, one register of the ISA the library is built
 // for: 16 with AVX-512, 8 with AVX2, 4 for the portable build (SSE2 or NEON). Each ISA gets its
@@ -356,19 +358,23 @@ inline void prefetch_keys(const C* k_cache, const C* v_cache, const SeqView& s, 
   }
 }
 
-// K and V rows of keys [key0 + t0, key0 + nk) for one head: V (and K unless `kf` is null) as fp32
-// [t][Dp], and where each K row lies (in the cache, or widened into `kb` [t][Dp]). The chunk's other
-// keys are zero rows: those before t0 (before the earliest window's start) are never read, as their
-// blocks may be stale; those from nk on do not exist. The math then runs whole chunks.
+// K and V rows of keys [key0 + t0, key0 + nk) for one head: V as fp32 [t][Dp] (or, with `v_rows`, where each
+// V row lies), K as fp32 too unless `kf` is null, and where each K row lies (in the cache, or widened into `kb`
+// [t][Dp]). The chunk's other keys are zero rows: those before t0 (before the earliest window's start) are never
+// read, as their blocks may be stale; those from nk on do not exist. The math then runs whole chunks.
 template <typename C, typename K, int NV>
 inline void load_chunk(const C* k_cache, const C* v_cache, const SeqView& s, int64_t key0, int t0, int nk,
-                       int64_t head, const Layout& L, float* kf, float* vf_, const K** k_rows, K* kb) {
+                       int64_t head, const Layout& L, float* kf, float* vf_, const K** k_rows, K* kb,
+                       const C** v_rows) {
   const int64_t num_keys = s.seq_len, row_bytes = L.head_dim * int64_t(sizeof(C));
   for (int t = 0; t < KEY_CHUNK; ++t) {
     if (t >= t0 && t < nk) continue;
     k_rows[t] = reinterpret_cast<const K*>(ZERO_ROW);
     if (kf != nullptr) std::fill(kf + t * NV * W, kf + (t + 1) * NV * W, 0.f);
-    std::fill(vf_ + t * NV * W, vf_ + (t + 1) * NV * W, 0.f);
+    if (v_rows != nullptr)
+      v_rows[t] = reinterpret_cast<const C*>(ZERO_ROW);
+    else
+      std::fill(vf_ + t * NV * W, vf_ + (t + 1) * NV * W, 0.f);
   }
   for (int t = t0; t < nk; ++t) {
     // NOTE: a steady stream of prefetches, PREFETCH_KEYS ahead: a burst of a whole chunk's rows
@@ -384,7 +390,10 @@ inline void load_chunk(const C* k_cache, const C* v_cache, const SeqView& s, int
       k_rows[t] = kb + t * NV * W;
     }
     if (kf != nullptr) to_float<C, NV>(k_cache + off, kf + t * NV * W, int(L.head_dim));
-    to_float<C, NV>(v_cache + off, vf_ + t * NV * W, int(L.head_dim));
+    if (v_rows != nullptr)
+      v_rows[t] = v_cache + off;
+    else
+      to_float<C, NV>(v_cache + off, vf_ + t * NV * W, int(L.head_dim));
   }
 }
 
@@ -468,6 +477,112 @@ constexpr bool QK_TILES = false;
 inline void configure_qk_tiles() {}
 inline void release_qk_tiles() {}
 inline void qk_scores(const void* const*, int64_t, const uint32_t*, int, int, float*) {}
+#endif
+
+// P.V on bf16 pairs (vdpbf16ps) where q.k is (`bf16_path`), in the avx512_bf16 build: a chunk's weights rounded
+// to bf16 (as ATen's CPU flash attention rounds them for bf16 inputs) and its keys taken two at a time, V's rows
+// as they are stored, no widening: half the multiply instructions of fp32 FMAs. Key pair i of a chunk is keys 2i
+// (the low half) and 2i + 1 in every path, and every path takes all of a chunk's pairs, so a row's value sums are
+// the same steps whichever path takes it; a masked key adds an exact zero (a zero weight, and a zero row where no
+// key lies). Measured on Zen 4 (`bench_attention.py --repeats 21`, bf16, three alternating runs): prefill 1 x 1024
+// keys 7.07-7.41 -> 5.23-6.09 ms, verification 4 x 4 rows 0.32-0.33 -> 0.22-0.32 ms; the default model's
+// perplexity (`attnserve eval`) 21.0264 -> 21.0413 on its Q4_1 codes, 20.9811 -> 20.9855 in bf16. Not in the amx
+// build: there vdpbf16ps runs at half the fp32 FMA's multiply rate (the qk tiles' NOTE), so its values stay on fp32
+// FMAs until they go on the tiles.
+#if ATTNSERVE_BF16_DOT && !defined(__AMX_BF16__)
+constexpr bool PV_PAIRS = true;
+
+// Two bf16 rows a and b (32 dims each) as pairs (a[d], b[d]) of 16 dims each: dims 0-15, then 16-31
+inline __m512i pairs_low(__m512i a, __m512i b) {
+  const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  return _mm512_permutex2var_epi16(a, idx, b);
+}
+inline __m512i pairs_high(__m512i a, __m512i b) {
+  const __m512i idx = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+                                       55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  return _mm512_permutex2var_epi16(a, idx, b);
+}
+
+// A chunk's V rows (KEY_CHUNK of them, Dp bf16 each) as key pairs: out[i][d] = (v[2i][d], v[2i + 1][d])
+template <int NV>
+inline void value_pairs(const c10::BFloat16* const* v, uint32_t* out) {
+  constexpr int Dp = NV * W;
+  for (int i = 0; i < KEY_CHUNK / 2; ++i) {
+    const char* a = reinterpret_cast<const char*>(v[2 * i]);
+    const char* b = reinterpret_cast<const char*>(v[2 * i + 1]);
+    for (int c = 0; c < Dp / 32; ++c) {
+      const __m512i x = _mm512_loadu_si512(a + 64 * c), y = _mm512_loadu_si512(b + 64 * c);
+      _mm512_store_si512(out + i * Dp + 32 * c, pairs_low(x, y));
+      _mm512_store_si512(out + i * Dp + 32 * c + 16, pairs_high(x, y));
+    }
+  }
+}
+
+// A decode's values for R rows of one head over one chunk: acc (rows Dp apart) * correction, then per key pair
+// the row's two weights (rounded to bf16) against the pairs of V rows, which the R rows share.
+template <int NV, int R>
+inline void add_value_pair_rows(float* acc, const float* correction, const float* pf, const uint32_t* vp) {
+  constexpr int Dp = NV * W;
+  __m512 av[R][NV];
+  alignas(64) uint32_t wp[R][KEY_CHUNK / 2];  // the rows' weights as bf16 pairs: keys 2i, 2i + 1
+  for (int i = 0; i < R; ++i) {
+    for (int j = 0; j < NV; ++j) av[i][j] = (__m512)(load(acc + i * Dp + j * W) * correction[i]);
+    const __m256bh w = _mm512_cvtneps_pbh((__m512)load(pf + i * KEY_CHUNK));
+    std::memcpy(wp[i], &w, sizeof w);
+  }
+  for (int k = 0; k < KEY_CHUNK / 2; ++k) {
+    for (int i = 0; i < R; ++i) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(int32_t(wp[i][k]));
+      for (int j = 0; j < NV; ++j)
+        av[i][j] = _mm512_dpbf16_ps(av[i][j], (__m512bh)_mm512_load_si512(vp + k * Dp + j * W), w);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) store(acc + i * Dp + j * W, (vf)av[i][j]);
+}
+
+// add_value_pair_rows over a head's n rows, as many at a time as keep their accumulators in registers
+template <int NV>
+inline void add_value_pairs(float* acc, int n, const float* correction, const float* pf, const uint32_t* vp) {
+  constexpr int RB = std::clamp((32 - 2) / NV, 1, 4);
+  for (int r0 = 0; r0 < n; r0 += RB) {
+    const int nr = std::min(RB, n - r0);
+    [&]<int... R>(std::integer_sequence<int, R...>) {
+      ((nr == R + 1 ? add_value_pair_rows<NV, R + 1>(acc + r0 * NV * W, correction + r0, pf + r0 * KEY_CHUNK, vp)
+                    : void()),
+       ...);
+    }(std::make_integer_sequence<int, RB>{});
+  }
+}
+
+// A prefill tile's values over one chunk: accT ([d][lane]) * correction, then per key pair the lanes' two
+// weights (s: the chunk's KEY_CHUNK weight vectors, rounded to bf16) against V's pair for each dim, broadcast.
+template <int NV, int DB>
+inline void add_value_pair_lanes(float* accT, vf correction, const vf* s, const uint32_t* vp) {
+  constexpr int Dp = NV * W;
+  const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512bh wp[KEY_CHUNK / 2];  // lane l of pair i: (s[2i][l], s[2i + 1][l])
+  for (int i = 0; i < KEY_CHUNK / 2; ++i)
+    wp[i] = (__m512bh)_mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh((__m512)s[2 * i + 1], (__m512)s[2 * i]));
+  for (int d0 = 0; d0 < Dp; d0 += DB) {
+    __m512 a[DB];
+    for (int j = 0; j < DB; ++j) a[j] = (__m512)(load(accT + (d0 + j) * W) * correction);
+    for (int i = 0; i < KEY_CHUNK / 2; ++i)
+      for (int j = 0; j < DB; ++j)
+        a[j] = _mm512_dpbf16_ps(a[j], wp[i], (__m512bh)_mm512_set1_epi32(int32_t(vp[i * Dp + d0 + j])));
+    for (int j = 0; j < DB; ++j) store(accT + (d0 + j) * W, (vf)a[j]);
+  }
+}
+#else
+constexpr bool PV_PAIRS = false;
+template <int NV>
+inline void value_pairs(const c10::BFloat16* const*, uint32_t*) {}
+template <int NV>
+inline void add_value_pairs(float*, int, const float*, const float*, const uint32_t*) {}
+template <int NV, int DB>
+inline void add_value_pair_lanes(float*, vf, const vf*, const uint32_t*) {}
 #endif
 
 // NOTE: on the tiles (`tile_path`: head_dim whole tiles of bf16 pairs), a bf16 pool's chunk of keys (16 keys
@@ -599,6 +714,11 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
   // copied out widened first: the same fp32 values, without a store and a reload per key, head and row
   const bool v_bf16 = W == 16 && std::is_same_v<C, c10::BFloat16> && !in_place && L.head_dim == Dp;
   const c10::BFloat16* vb[SPAN];
+  // P.V on pairs (PV_PAIRS): every key's V row as bf16 in vb, a zero row where no key lies; an 8-bit pool's
+  // widened (exact) into v_wide
+  const bool pv_pairs = PV_PAIRS && bf16_path;
+  alignas(64) c10::BFloat16 v_wide[PV_PAIRS && is_fp8<C>() ? SPAN * Dp : 1];
+  alignas(64) uint32_t v_pairs[PV_PAIRS ? KC / 2 * Dp : 1];
   int64_t offs[SPAN];
   // NOTE: chunks at multiples of KEY_CHUNK, as a prefill tile's; the keys before the window's start are masked, never read
   for (int64_t key0 = first_key - first_key % KC; key0 < num_keys; key0 += SPAN) {
@@ -619,6 +739,7 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
         if (t < t0 || t >= nk) {
           k_rows[t] = reinterpret_cast<const K*>(ZERO_ROW);
           kr[t] = ZERO_ROW;
+          vb[t] = reinterpret_cast<const c10::BFloat16*>(ZERO_ROW);
           continue;
         }
         const C* k_pool = k_cache + offs[t] + hh * L.head_dim;  // the key's rows in the pool
@@ -643,6 +764,13 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
         if (v_bf16) {
           vb[t] = reinterpret_cast<const c10::BFloat16*>(v_row);
           continue;
+        }
+        if constexpr (PV_PAIRS && is_fp8<C>()) {
+          if (pv_pairs) {
+            copy_k(v_row, v_wide + t * Dp, L.head_dim);
+            vb[t] = v_wide + t * Dp;
+            continue;
+          }
         }
         to_float<C, NV>(v_row, vfb + t * Dp, int(L.head_dim));
         vr[t] = vfb + t * Dp;
@@ -752,7 +880,10 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
         }
         const int first = std::max(t0, cc * KC), end = std::min(nk, (cc + 1) * KC);
         float* a = acc + hh * group * Dp;
-        if (v_bf16)
+        if (pv_pairs) {  // NOTE: all the chunk's pairs, as a prefill tile takes them (masked keys add zeros)
+          value_pairs<NV>(vb + cc * KC, v_pairs);
+          add_value_pairs<NV>(a, group, correction, pf, v_pairs);
+        } else if (v_bf16)
           add_values<NV>(a, group, correction, pf, vb, first, end, cc * KC);
         else
           add_values<NV>(a, group, correction, pf, vr, first, end, cc * KC);
@@ -797,6 +928,9 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
   const bool pool_tiles = k_tiles_in_pool<C>(tile_path, L);
   alignas(64) uint16_t k_tile[TILED ? KC * Dp : 1];  // tile path: the chunk's K rows, side by side
   alignas(64) float chunk_scores[TILED ? KC * W : 1];
+  const bool pv_pairs = PV_PAIRS && bf16_path;  // P.V on bf16 pairs: V's rows where they lie
+  const C* v_rows[KC];
+  alignas(64) uint32_t v_pairs[PV_PAIRS ? KC / 2 * Dp : 1];
   vi pos;  // each lane's token position; -1 for unused lanes (no key is visible)
   vi lo;  // each lane's first visible key (its window's start)
   vf m = splat(NEG_INF), lsum = vf{};  // the online softmax's running max and sum, per lane
@@ -835,7 +969,8 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
   for (int64_t key0 = first_key - first_key % KC; key0 < num_keys; key0 += KC) {
     const int nk = int(std::min<int64_t>(KC, num_keys - key0));
     const int t0 = int(std::max<int64_t>(0, first_key - key0));
-    load_chunk<C, K, NV>(k_cache, v_cache, sv, key0, t0, nk, head, L, bf16_path ? nullptr : kf, vfb, k_rows, kb);
+    load_chunk<C, K, NV>(k_cache, v_cache, sv, key0, t0, nk, head, L, bf16_path ? nullptr : kf, vfb, k_rows, kb,
+                         pv_pairs ? v_rows : nullptr);
     vf s[KC];
     for (int t = 0; t < KC; ++t) s[t] = vf{};
     if constexpr (bf16_dot<T, K, NV>()) {
@@ -906,6 +1041,13 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
     }
     lsum = lsum * correction + part[0];
     m = m_new;
+    if constexpr (PV_PAIRS && std::is_same_v<C, c10::BFloat16>) {
+      if (pv_pairs) {
+        value_pairs<NV>(reinterpret_cast<const c10::BFloat16* const*>(v_rows), v_pairs);
+        add_value_pair_lanes<NV, DB>(accT, correction, s, v_pairs);
+        continue;
+      }
+    }
     for (int d0 = 0; d0 < Dp; d0 += DB) {
       vf a[DB];
       for (int j = 0; j < DB; ++j) a[j] = load(accT + (d0 + j) * W) * correction;
