@@ -9,6 +9,7 @@ import torch
 from kvcache.paged_attention import AttentionMetadata, PagedAttention
 from kvcache.storage import KVCacheSpec, PagedKVCache
 from models.loader import load_for_serving, serving_dtype
+from models.rope import rope_cos_sin
 from server.engine.native_decoder import NativeDecoder, unsupported
 
 pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
@@ -71,6 +72,20 @@ def test_native_decoder_equals_the_model(tiny_checkpoints, arch, scheme, dtype, 
             tol = 0.02 if dtype == "bfloat16" else 1e-4 if activations == "exact" else 0.05
             torch.testing.assert_close(mine.float(), theirs_.float(), atol=tol, rtol=tol)
             assert mine[:6].abs().sum() > 0  # the blocks the steps used were written
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rope_rows_come_from_tables_with_the_values_of_the_step_s_own_call(tiny_checkpoints, dtype):
+    """The decoder's RoPE rows are rows of tables it grows as positions come (past their first 1,024): the same
+    bits as rope_cos_sin on the step's positions, decode, prefill and a jump past the table alike."""
+    model = load_for_serving(tiny_checkpoints["llama"], dtype=dtype, quantization="int4")
+    decoder = NativeDecoder(model)
+    for positions in (torch.tensor([5]), torch.arange(0, 37), torch.tensor([1023, 3, 900]), torch.arange(1000, 1100),
+                      torch.tensor([5000]), torch.arange(17, 30)):
+        cos, sin = decoder._rope(positions, int(positions.max()) + 1, model.dtype)
+        want_cos, want_sin = rope_cos_sin(positions, model.inv_freq, model.dtype)  # (T, 1, D)
+        assert torch.equal(cos, want_cos[:, 0]) and torch.equal(sin, want_sin[:, 0]), positions
+    assert len(decoder.rope_tables[0]) == 5001  # grown to the largest position asked for, not beyond
 
 
 def test_models_it_does_not_cover_say_why(tiny_checkpoints):

@@ -6,7 +6,7 @@ import torch
 
 from models import load_model, load_tokenizer
 from server.engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
-from server.engine.sampler import SamplingBatch, apply_filters, apply_penalties, sample
+from server.engine.sampler import SamplingBatch, apply_filters, apply_penalties, greedy, sample
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +151,30 @@ def test_greedy_rows_take_the_argmax_of_bf16_logits_as_fp32_would():
     mixed = [SamplingParams(temperature=0, logprobs=2)] + [SamplingParams(temperature=0)] * 7
     tokens, logprobs = sample(logits, batch_of(mixed))  # logprobs asked: the fp32 path, same tokens
     assert tokens == logits.float().argmax(-1).tolist() and {t for t, _ in logprobs[0].top} == {5, 7}
+
+
+@pytest.mark.kernel  # make test-isa runs it again under the AVX2 cap and on the portable build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 7, 16, 33, 1003, 49152])  # under, at and past one vector; a scalar tail
+def test_greedy_tokens_kernel_takes_the_first_maximum_as_torch_does(dtype, vocab):
+    """logit_scores.cpp's greedy_tokens against torch's max(dim).indices: ties (the first wins, in another
+    lane or the tail), a NaN (it wins, the first of them), a row of -inf (index 0), the maximum last."""
+    g = torch.Generator().manual_seed(vocab)
+    greedy(torch.zeros(1, 2, dtype=dtype))  # loads the library where it is built
+    for trial in range(12):
+        logits = torch.randint(-3, 4, (6, vocab), generator=g).to(dtype)  # a few values: ties everywhere
+        logits[1, int(torch.randint(0, vocab, (1,), generator=g))] = float("nan")
+        logits[2, -1] = logits[2, 0] = float("nan")
+        logits[3] = float("-inf")
+        logits[4, -1] = 100.0
+        logits[5, vocab // 2:] = logits[5].max()  # the maximum from the middle on: its first index
+        want = logits.max(-1).indices.tolist()
+        assert torch.ops.attnserve.greedy_tokens(logits).tolist() == want, trial
+        assert greedy(logits) == want
+
+
+def test_greedy_on_a_batch_of_served_logits_is_the_fp32_argmax():
+    logits = torch.randn(32, 49152, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    logits[7, 100] = logits[7, 40000] = logits[7].max() + 1
+    assert greedy(logits) == logits.float().argmax(-1).tolist()
+    assert greedy(logits)[7] == 100

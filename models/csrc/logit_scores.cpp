@@ -1,4 +1,5 @@
-// Prompt logprobs in one read of the logits (server/engine/sampler.py `prompt_logprobs`).
+// Prompt logprobs in one read of the logits (server/engine/sampler.py `prompt_logprobs`), and greedy tokens
+// (`greedy`).
 //
 // Per row of raw logits (the LM head's output, in the model's dtype): the log-softmax value of one
 // target token, its rank (the tokens at least as likely, itself included, as vLLM counts) and the k
@@ -153,8 +154,65 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logit_scores(const at
   return {logprob, rank, top_vals, top_ids};
 }
 
+template <typename T>
+int64_t nan_index(const T* x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j)
+    if (value(x + j) != value(x + j)) return j;
+  return 0;
+}
+
+// The first maximum of a row, as torch's max(dim).indices takes it: a NaN counts as above everything (the first
+// NaN wins). One read of the row: per lane its largest value and where that first came, then the lanes compared.
+template <typename T>
+int64_t first_max(const T* x, int64_t n) {
+  const int64_t nv = n / W * W;
+  vf m = splat(-std::numeric_limits<float>::infinity());
+  vi at = {}, nan = {}, lanes;
+  for (int l = 0; l < W; ++l) lanes[l] = l;
+  for (int64_t j = 0; j < nv; j += W) {
+    const vf v = load_vec(x + j);
+    const vi above = v > m;  // NOTE: strictly: a lane keeps its first maximum
+    m = above ? v : m;
+    at = above ? lanes + int32_t(j) : at;
+    nan |= v != v;
+  }
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t best = 0;
+  for (int l = 0; l < W; ++l) {
+    if (nan[l]) return nan_index(x, n);
+    if (m[l] > mx || (m[l] == mx && at[l] < best)) mx = m[l], best = at[l];
+  }
+  for (int64_t j = nv; j < n; ++j) {
+    const float v = value(x + j);
+    if (v != v) return nan_index(x, n);
+    if (v > mx) mx = v, best = j;
+  }
+  return best;
+}
+
+// Greedy tokens: per row of raw logits (rows, vocab), fp32 or bf16, its first maximum. torch's max(dim) reads a bf16
+// row at ~1.5 ns a word here (674 us for 32 rows of 49,152); this reads each row once.
+at::Tensor greedy_tokens(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && logits.size(1) > 0, "logits: (rows, vocab) on the CPU");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16, "logits: fp32 or bf16");
+  const at::Tensor x = logits.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (x.scalar_type() == at::kFloat)
+        o[r] = first_max(x.data_ptr<float>() + r * n, n);
+      else
+        o[r] = first_max(x.data_ptr<c10::BFloat16>() + r * n, n);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnserve, m) {
   m.def("logit_scores(Tensor logits, Tensor targets, int k) -> (Tensor, Tensor, Tensor, Tensor)", &logit_scores);
+  m.def("greedy_tokens(Tensor logits) -> Tensor", &greedy_tokens);
 }

@@ -22,7 +22,7 @@ _FALLBACKS = {
     "q8_linear": ("8-bit-activation linear", "quantized linears keep exact activations"),
     "decoder": ("decoder", "the compiled step serves"),
     "shm_comm": ("shared-memory collectives", "tensor-parallel ranks use the process group's"),
-    "logit_scores": ("prompt-logprob", "prompt logprobs take torch's log_softmax, comparison and topk"),
+    "logit_scores": ("prompt-logprob", "prompt logprobs take torch's log_softmax, comparison and topk; greedy tokens its max(dim)"),
     "lora": ("LoRA", "LoRA deltas take torch's index_select + mm"),
 }
 

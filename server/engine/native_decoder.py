@@ -95,6 +95,7 @@ class NativeDecoder:
                 sizes += [linear.bits, linear.group_size, linear.out_features, int(linear.int8_activations)]
             self.stack.add_layer(layer.attn_norm.weight.detach(), layer.mlp_norm.weight.detach(), tensors, sizes)
         self.lora_slots = lora_slots
+        self.rope_tables = (torch.empty(0, cfg.head_dim), torch.empty(0, cfg.head_dim))  # cos, sin for positions [0, P)
         if lora_slots is not None:
             keys = [(layer, m) for layer in range(cfg.num_layers) for m in MODULES]
             self.stack.set_lora([lora_slots.a[k] for k in keys], [lora_slots.bt[k] for k in keys],
@@ -109,8 +110,19 @@ class NativeDecoder:
             raise ValueError("a LoRA step over slots this NativeDecoder was not built with")
         rows = (lora.meta.rows, lora.meta.seg_start, lora.meta.seg_slot) if lora is not None else (None, None, None)
         x = model.embed(input_ids)  # (T, C)
-        cos, sin = rope_cos_sin(positions, model.inv_freq, x.dtype)  # (T, 1, D) each
-        t = input_ids.shape[0]
-        return self.stack.forward(x, cos.view(t, self.head_dim), sin.view(t, self.head_dim), cache.k, cache.v,
+        cos, sin = self._rope(positions, m.max_seq_len, x.dtype)  # (T, D) each
+        return self.stack.forward(x, cos, sin, cache.k, cache.v,
                                   m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc, m.max_query_len,
                                   m.max_seq_len, cache.scales.k, cache.scales.v, *rows, prompt_tokens)  # (T, C)
+
+    def _rope(self, positions: torch.Tensor, num_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin rows (T, D) of `positions` (all below num_positions): rows of tables of every position
+        so far, grown by doubling, instead of a dozen small ops a step (~0.07 ms of a 6 ms batch-1 step here). NOTE:
+        rope_cos_sin's values, the same bits as a step's own call (elementwise ops on the same positions)."""
+        cos, sin = self.rope_tables
+        if len(cos) < num_positions or cos.dtype != dtype:
+            size = max(num_positions, 2 * len(cos), 1024)
+            cos, sin = rope_cos_sin(torch.arange(size, device=positions.device), self.model.inv_freq, dtype)  # (P, 1, D)
+            self.rope_tables = cos.view(size, self.head_dim), sin.view(size, self.head_dim)
+            cos, sin = self.rope_tables
+        return cos.index_select(0, positions), sin.index_select(0, positions)

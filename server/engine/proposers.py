@@ -16,6 +16,7 @@ from kvcache.paged_attention import AttentionMetadata, PagedAttention
 from kvcache.storage import KVCacheSpec
 from models.transformer import DecoderLM
 from server.engine.request import Request
+from server.engine.sampler import greedy
 
 
 class Proposer(Protocol):
@@ -129,7 +130,7 @@ class DraftModelProposer:
             logits = self.runner.model.logits(hidden[last])  # (B, V)
         for rid, c, feed in zip(request_ids, contexts, feeds):
             self.num_computed[rid] = c + len(feed)
-        return logits.max(-1).indices.tolist()
+        return greedy(logits)
 
     def rollback(self, request: Request, num_valid_tokens: int) -> None:
         rid = request.request_id

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from server.engine.sampler import SamplingBatch, apply_filters, apply_penalties, draw, token_logprobs
+from server.engine.sampler import SamplingBatch, apply_filters, apply_penalties, draw, greedy, token_logprobs
 from server.wire import TokenLogprob
 
 
@@ -38,7 +38,7 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: Sequence[Sequence
     starts = np.concatenate([[0], np.cumsum([len(d) + 1 for d in drafts])]).tolist()
     params = batch.params
     if all(p.greedy and not p.has_penalties and p.logprobs is None for p in params):
-        target = logits.max(-1).indices.tolist()  # first maximum: as `sample` takes it
+        target = greedy(logits)  # first maximum: as `sample` takes it
         tokens = []
         for s, d in enumerate(drafts):
             t, j = target[starts[s]:starts[s + 1]], 0
