@@ -4,7 +4,7 @@
 // tokens and its own context. Work items are (sequence, KV head, query tile); the query heads
 // of a GQA group share each K/V read, and the softmax is online (flash style), so the only
 // per-item state is the tile's accumulators. Math is fp32 whatever the storage dtype, but for one
-// rounding: a bf16 model's softmax weights are rounded to bf16 for P.V in the avx512_bf16 build (PV_PAIRS).
+// rounding: a bf16 model's softmax weights are rounded to bf16 for P.V in the avx512_bf16 build on AMD (PV_PAIRS).
 //
 // The cache may hold 8-bit floats (e4m3 or e5m2) with one power-of-two scale per layer for K and
 // one for V: K's scale folds into the query scale, V's into the output, so the loops only widen.
@@ -486,11 +486,18 @@ inline void qk_scores(const void* const*, int64_t, const uint32_t*, int, int, fl
 // the same steps whichever path takes it; a masked key adds an exact zero (a zero weight, and a zero row where no
 // key lies). Measured on Zen 4 (`bench_attention.py --repeats 21`, bf16, three alternating runs): prefill 1 x 1024
 // keys 7.07-7.41 -> 5.23-6.09 ms, verification 4 x 4 rows 0.32-0.33 -> 0.22-0.32 ms; the default model's
-// perplexity (`attnserve eval`) 21.0264 -> 21.0413 on its Q4_1 codes, 20.9811 -> 20.9855 in bf16. Not in the amx
-// build: there vdpbf16ps runs at half the fp32 FMA's multiply rate (the qk tiles' NOTE), so its values stay on fp32
-// FMAs until they go on the tiles.
+// perplexity (`attnserve eval`) 21.0264 -> 21.0413 on its Q4_1 codes, 20.9811 -> 20.9855 in bf16. Only on AMD's
+// cores (`pv_pairs_here`), where vdpbf16ps runs at the fp32 FMA's rate (Zen 4: 3.6 G/s a core, each), so twice its
+// multiplies: Intel's run it at half the FMA's rate (the AMX Xeon, the qk tiles' NOTE), which would make their P.V
+// slower; the amx build's values stay on fp32 FMAs until they go on the tiles.
 #if ATTNSERVE_BF16_DOT && !defined(__AMX_BF16__)
 constexpr bool PV_PAIRS = true;
+
+// NOTE: one answer per process, so that every path of every call takes its values the same way
+inline bool pv_pairs_here() {
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+}
 
 // Two bf16 rows a and b (32 dims each) as pairs (a[d], b[d]) of 16 dims each: dims 0-15, then 16-31
 inline __m512i pairs_low(__m512i a, __m512i b) {
@@ -577,6 +584,7 @@ inline void add_value_pair_lanes(float* accT, vf correction, const vf* s, const 
 }
 #else
 constexpr bool PV_PAIRS = false;
+inline bool pv_pairs_here() { return false; }
 template <int NV>
 inline void value_pairs(const c10::BFloat16* const*, uint32_t*) {}
 template <int NV>
@@ -716,7 +724,7 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
   const c10::BFloat16* vb[SPAN];
   // P.V on pairs (PV_PAIRS): every key's V row as bf16 in vb, a zero row where no key lies; an 8-bit pool's
   // widened (exact) into v_wide
-  const bool pv_pairs = PV_PAIRS && bf16_path;
+  const bool pv_pairs = PV_PAIRS && bf16_path && pv_pairs_here();
   alignas(64) c10::BFloat16 v_wide[PV_PAIRS && is_fp8<C>() ? SPAN * Dp : 1];
   alignas(64) uint32_t v_pairs[PV_PAIRS ? KC / 2 * Dp : 1];
   int64_t offs[SPAN];
@@ -928,7 +936,7 @@ void attend_rows(const WorkItem& w, const SeqView& sv, const T* q, T* out, const
   const bool pool_tiles = k_tiles_in_pool<C>(tile_path, L);
   alignas(64) uint16_t k_tile[TILED ? KC * Dp : 1];  // tile path: the chunk's K rows, side by side
   alignas(64) float chunk_scores[TILED ? KC * W : 1];
-  const bool pv_pairs = PV_PAIRS && bf16_path;  // P.V on bf16 pairs: V's rows where they lie
+  const bool pv_pairs = PV_PAIRS && bf16_path && pv_pairs_here();  // P.V on bf16 pairs: V's rows where they lie
   const C* v_rows[KC];
   alignas(64) uint32_t v_pairs[PV_PAIRS ? KC / 2 * Dp : 1];
   vi pos;  // each lane's token position; -1 for unused lanes (no key is visible)
