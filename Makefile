@@ -82,8 +82,14 @@ test-all: install system-deps
 # (torch, oneDNN, inductor and our kernels all follow ATTNSERVE_CPU_ISA), then the kernels once more
 # on the portable build. On a CPU whose own level is AVX2 the cap changes nothing: `make test` ran the
 # kernels and the parity passes there already, so the AVX2 pass runs only the `caps` tests.
-# Serve and HTTP do not depend on the ISA: they run once, in `make test`. CI runs it after `make test`.
+# On an AVX512-BF16 CPU without AMX the kernels run once more at the amx level, its tiles emulated in
+# software (ATTNSERVE_AMX_EMULATION=1, models/csrc/amx_tiles.h): the amx build's own code, which no other
+# pass there runs. Serve and HTTP do not depend on the ISA: they run once, in `make test`. CI runs it
+# after `make test`.
 MACHINE_ISA = $(PY) -c "from models.native.cpu_features import choose_isa, read_cpu_features; print(choose_isa(read_cpu_features()))"
+# The CPU's own level from its flags: avx512_bf16 means AVX512-BF16 and no AMX listed, where the amx build's
+# kernels run on emulated tiles (models/csrc/amx_tiles.h); an AMX CPU ran them natively in make test
+CPU_LEVEL = $(PY) -c "from models.native.cpu_features import read_cpu_features; print(read_cpu_features().isa)"
 test-isa: install system-deps
 	$(PY) -m models.native --levels avx2,generic
 	@marks="(kernel or isa or caps) and not exhaustive"; \
@@ -92,6 +98,10 @@ test-isa: install system-deps
 	echo "ATTNSERVE_CPU_ISA=avx2 $(PY) -m pytest -q $(XDIST) -m \"$$marks\" $(DURATIONS) $(PYTEST_ARGS)"; \
 	ATTNSERVE_CPU_ISA=avx2 $(PY) -m pytest -q $(XDIST) -m "$$marks" $(DURATIONS) $(PYTEST_ARGS)
 	ATTNSERVE_CPU_ISA=generic $(PY) -m pytest -q $(XDIST) -m "kernel and not slow and not exhaustive" $(DURATIONS) $(PYTEST_ARGS)
+	@if [ "$$($(CPU_LEVEL))" = avx512_bf16 ]; then \
+	  echo "test-isa: the amx build's kernels on this CPU without AMX, their tiles emulated (ATTNSERVE_AMX_EMULATION=1)"; \
+	  ATTNSERVE_AMX_EMULATION=1 $(PY) -m models.native --levels amx && \
+	  ATTNSERVE_AMX_EMULATION=1 $(PY) -m pytest -q $(XDIST) -m "kernel and not slow and not exhaustive" $(DURATIONS) $(PYTEST_ARGS); fi
 
 # Headless locust against `attnserve serve` started for the run (or LOADTEST_ARGS="--url ...").
 loadtest: install

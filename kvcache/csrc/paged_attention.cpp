@@ -423,7 +423,7 @@ inline __m512bh load_bf16_pairs(const void* p) { return (__m512bh)_mm512_loadu_s
 // and prefill both take their bf16 scores this way, with the same operands, so a row's bits do not
 // depend on its path (the file's head). NOTE: vdpbf16ps runs at half the fp32 FMA's multiply rate on
 // the AMX Xeon, and the q.k of a prefill chunk was 40% of its time.
-#if defined(__AMX_BF16__)
+#if ATTNSERVE_AMX_BF16
 constexpr bool QK_TILES = true;
 
 // Tiles 0, 6: 16 K rows x 32 bf16 dims; 1: 16 dim pairs x 16 rows' q pairs; 2-5: scores, 16 keys x 16 rows
@@ -490,7 +490,7 @@ inline void qk_scores(const void* const*, int64_t, const uint32_t*, int, int, fl
 // cores (`pv_pairs_here`), where vdpbf16ps runs at the fp32 FMA's rate (Zen 4: 3.6 G/s a core, each), so twice its
 // multiplies: Intel's run it at half the FMA's rate (the AMX Xeon, the qk tiles' NOTE), which would make their P.V
 // slower; the amx build's values stay on fp32 FMAs until they go on the tiles.
-#if ATTNSERVE_BF16_DOT && !defined(__AMX_BF16__)
+#if ATTNSERVE_BF16_DOT && !ATTNSERVE_AMX_BF16
 constexpr bool PV_PAIRS = true;
 
 // NOTE: one answer per process, so that every path of every call takes its values the same way
@@ -708,7 +708,9 @@ void attend_decode(const WorkItem& w, const SeqView& sv, const T* q, T* out, con
   // 128-928), 6.9 -> 6.7 ms (128-228).
   const bool in_place = std::is_same_v<C, float> && L.head_dim == Dp;
   const bool pool_tiles = k_tiles_in_pool<C>(tile_path, L);  // V's rows are read there too
-  const bool direct = std::is_same_v<K, C> && w.num_heads == 1 && !in_place && !pool_tiles;
+  // NOTE: not on the tiles unless they load from the pool: a tile loads its 16 K rows at one stride, which the
+  // staged rows have and a chunk's rows across blocks do not
+  const bool direct = std::is_same_v<K, C> && w.num_heads == 1 && !in_place && !pool_tiles && !tile_path;
   const int64_t span = w.num_heads * L.head_dim;
   thread_local std::vector<K> k_stage;
   thread_local std::vector<C> v_stage;

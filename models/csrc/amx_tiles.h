@@ -1,10 +1,25 @@
 // The AMX tile configuration the amx builds share (q8_linear.cpp, kvcache/csrc/paged_attention.cpp). Part of
 // every library's build hash, as every header here is.
+//
+// ATTNSERVE_AMX_TILE / _INT8 / _BF16 say which tile instructions the build has: the CPU's (-mamx-*), or, in the
+// emulated build (-DATTNSERVE_AMX_EMULATED, models/native/toolchain.py), this header's software tiles. Those
+// follow the SDM's pseudo-code for each instruction and fault (abort) where the hardware would (#UD, #GP), so
+// that the amx build's kernels run, and are tested, on a CPU without AMX: `make test-isa` on AVX512-BF16.
 #pragma once
 
 #include <cstdint>
 
-#if defined(__AMX_TILE__)
+#if defined(__AMX_TILE__) || defined(ATTNSERVE_AMX_EMULATED)
+#define ATTNSERVE_AMX_TILE 1
+#define ATTNSERVE_AMX_INT8 1
+#define ATTNSERVE_AMX_BF16 1
+#else
+#define ATTNSERVE_AMX_TILE 0
+#define ATTNSERVE_AMX_INT8 0
+#define ATTNSERVE_AMX_BF16 0
+#endif
+
+#if ATTNSERVE_AMX_TILE
 #include <immintrin.h>
 
 namespace {
@@ -15,6 +30,155 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+}  // namespace
+
+#if defined(ATTNSERVE_AMX_EMULATED)
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace amx_emulated {
+namespace {
+
+constexpr int TILES = 8, MAX_ROWS = 16, MAX_COLSB = 64;
+
+struct Registers {
+  bool configured = false;
+  uint16_t colsb[TILES] = {};
+  uint8_t rows[TILES] = {};
+  alignas(64) uint8_t data[TILES][MAX_ROWS][MAX_COLSB] = {};
+};
+thread_local Registers regs;
+
+[[noreturn]] inline void fault(const char* what) {
+  std::fprintf(stderr, "attnserve: emulated AMX fault: %s\n", what);
+  std::abort();
+}
+
+inline void load_config(const void* config) {
+  TileConfig c;
+  std::memcpy(&c, config, sizeof c);
+  if (c.palette != 1) fault("ldtilecfg: palette is not 1");
+  if (c.start_row != 0) fault("ldtilecfg: start_row is not 0");
+  for (uint8_t b : c.reserved)
+    if (b) fault("ldtilecfg: reserved bytes are not 0");
+  for (int t = 0; t < 16; ++t) {
+    const bool used = t < TILES;
+    if (!used && (c.rows[t] || c.colsb[t])) fault("ldtilecfg: a tile beyond the 8 has rows or bytes");
+    if (c.rows[t] > MAX_ROWS || c.colsb[t] > MAX_COLSB) fault("ldtilecfg: a tile over 16 rows or 64 bytes a row");
+    if ((c.rows[t] == 0) != (c.colsb[t] == 0)) fault("ldtilecfg: a tile with rows but no bytes, or bytes but no rows");
+  }
+  regs = Registers{};
+  regs.configured = true;
+  for (int t = 0; t < TILES; ++t) regs.rows[t] = c.rows[t], regs.colsb[t] = c.colsb[t];
+}
+
+inline void release() { regs = Registers{}; }
+
+inline void check(int t) {
+  if (!regs.configured) fault("a tile instruction before ldtilecfg (or after tilerelease)");
+  if (t < 0 || t >= TILES || regs.rows[t] == 0) fault("a tile that the configuration leaves unused");
+}
+
+inline void zero(int t) {
+  check(t);
+  std::memset(regs.data[t], 0, sizeof regs.data[t]);
+}
+
+inline void load(int t, const void* base, int64_t stride) {
+  check(t);
+  zero(t);
+  for (int r = 0; r < regs.rows[t]; ++r)
+    std::memcpy(regs.data[t][r], static_cast<const char*>(base) + r * stride, regs.colsb[t]);
+}
+
+inline void store(int t, void* base, int64_t stride) {
+  check(t);
+  for (int r = 0; r < regs.rows[t]; ++r)
+    std::memcpy(static_cast<char*>(base) + r * stride, regs.data[t][r], regs.colsb[t]);
+}
+
+// dst (M x N dwords) += a (M x K dwords) . b (K x N dwords), each dword a group of bytes or bf16 pairs
+inline void check_dot(int dst, int a, int b) {
+  check(dst), check(a), check(b);
+  if (dst == a || dst == b || a == b) fault("a dot product with a tile named twice");
+  if (regs.rows[dst] != regs.rows[a]) fault("a dot product whose A rows differ from the destination's");
+  if (regs.colsb[dst] != regs.colsb[b]) fault("a dot product whose B bytes a row differ from the destination's");
+  if (regs.colsb[a] / 4 != regs.rows[b]) fault("a dot product whose A dwords a row differ from B's rows");
+  if (regs.colsb[a] % 4 || regs.colsb[dst] % 4) fault("a dot product over a part of a dword");
+}
+
+template <typename A, typename B>
+inline void dot_bytes(int dst, int a, int b) {
+  check_dot(dst, a, b);
+  for (int m = 0; m < regs.rows[dst]; ++m)
+    for (int n = 0; n < regs.colsb[dst] / 4; ++n) {
+      int32_t acc;
+      std::memcpy(&acc, regs.data[dst][m] + 4 * n, 4);
+      for (int k = 0; k < regs.colsb[a] / 4; ++k)
+        for (int i = 0; i < 4; ++i)  // NOTE: int32 wraps on overflow, as the instruction's sums do
+          acc = int32_t(uint32_t(acc) + uint32_t(int32_t(A(regs.data[a][m][4 * k + i])) *
+                                                 int32_t(B(regs.data[b][k][4 * n + i]))));
+      std::memcpy(regs.data[dst][m] + 4 * n, &acc, 4);
+    }
+}
+
+// bf16 to fp32 with denormals as zeros, and fp32 results flushed to zero: the instruction's DAZ and FTZ
+inline float bf16_daz(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  uint32_t bits = uint32_t(h) << 16;
+  if ((bits & 0x7f800000u) == 0) bits &= 0x80000000u;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline float ftz(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7f800000u) == 0) bits &= 0x80000000u;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// The SDM's order: per destination element, pair k's even product added, then its odd one, k ascending; each
+// product exact in fp32, each add rounded to nearest even
+inline void dot_bf16(int dst, int a, int b) {
+  check_dot(dst, a, b);
+  for (int m = 0; m < regs.rows[dst]; ++m)
+    for (int n = 0; n < regs.colsb[dst] / 4; ++n) {
+      float acc;
+      std::memcpy(&acc, regs.data[dst][m] + 4 * n, 4);
+      for (int k = 0; k < regs.colsb[a] / 4; ++k) {
+        acc = ftz(acc + bf16_daz(regs.data[a][m] + 4 * k) * bf16_daz(regs.data[b][k] + 4 * n));
+        acc = ftz(acc + bf16_daz(regs.data[a][m] + 4 * k + 2) * bf16_daz(regs.data[b][k] + 4 * n + 2));
+      }
+      std::memcpy(regs.data[dst][m] + 4 * n, &acc, 4);
+    }
+}
+
+}  // namespace
+}  // namespace amx_emulated
+
+// The intrinsics the kernels name, in place of immintrin.h's (which would emit the instructions)
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_zero
+#undef _tile_dpbssd
+#undef _tile_dpbsud
+#undef _tile_dpbf16ps
+#define _tile_loadconfig(config) amx_emulated::load_config(config)
+#define _tile_release() amx_emulated::release()
+#define _tile_loadd(t, base, stride) amx_emulated::load(t, base, stride)
+#define _tile_stored(t, base, stride) amx_emulated::store(t, base, stride)
+#define _tile_zero(t) amx_emulated::zero(t)
+#define _tile_dpbssd(dst, a, b) amx_emulated::dot_bytes<int8_t, int8_t>(dst, a, b)
+#define _tile_dpbsud(dst, a, b) amx_emulated::dot_bytes<int8_t, uint8_t>(dst, a, b)
+#define _tile_dpbf16ps(dst, a, b) amx_emulated::dot_bf16(dst, a, b)
+#endif
+
+namespace {
 
 inline void load_tile_config(const TileConfig& c) {
   // NOTE: the builtin does not tell GCC that it reads c: without the barrier the stores that filled it are

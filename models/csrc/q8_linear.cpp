@@ -51,7 +51,7 @@ constexpr int64_t STEP_STRIDE = QUAD * LANE_BYTES;  // bytes from one step of a 
 // (T2) took the Q8_0 pass from 6.9 to 6.1 ms (bench_linear, three alternating runs); into every level was no
 // faster than non-temporally. Under the AVX2 cap the difference was within noise: the AVX2 and portable builds
 // keep non-temporal.
-#if defined(__AMX_INT8__)
+#if ATTNSERVE_AMX_INT8
 constexpr int64_t PREFETCH_STEPS = 32;
 constexpr int PREFETCH_LOCALITY = 3;
 #elif defined(__AVX512F__)
@@ -316,7 +316,7 @@ constexpr std::array<TileFn<Y>, sizeof...(R)> tiles(std::integer_sequence<int, R
 }
 
 constexpr int64_t AMX_ROWS = 16;  // rows per x tile: from this many rows on, a call's whole tiles of rows take AMX
-#if defined(__AMX_INT8__)
+#if ATTNSERVE_AMX_INT8
 constexpr bool TILES = true;
 
 // Two sets of three tiles, so that one block's loads are issued while the block before is stored:
@@ -605,7 +605,7 @@ void run(const Packed& w, const Acts& a, int64_t m, void* out, int64_t n, const 
   // rows; measured on the AMX Xeon, bench_linear: Q4_1 at 32 rows 305 against 303 GFLOP/s, at 64 381 against 326)
   const int64_t min_rows = F::BITS == 8 ? AMX_ROWS : 2 * AMX_ROWS;
   const int64_t tiled = TILES && m >= min_rows ? m / AMX_ROWS * AMX_ROWS : 0;
-#if defined(__AMX_INT8__)
+#if ATTNSERVE_AMX_INT8
   if (tiled > 0) amx_rows<F, Y>(a, w, tiled, QUAD * u0, std::min(QUAD * u1, (n + W - 1) / W), y, n, bias);
 #endif
   if (tiled == m) return;
@@ -745,7 +745,7 @@ void int8_rows(const at::Tensor& xc, const Packed& w, int64_t bits, bool half, b
   });
 }
 
-#if defined(__AMX_BF16__)
+#if ATTNSERVE_AMX_BF16
 // Quad u of the output: its panels that hold features
 template <typename F, typename Y>
 void bf16_quad(const uint16_t* x, int64_t m, const uint16_t* pad, const Packed& w, int64_t u, void* y, int64_t n,

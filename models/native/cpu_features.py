@@ -7,10 +7,12 @@ to happen before torch runs its first kernel.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import logging
 import os
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping, MutableMapping
 
@@ -19,6 +21,9 @@ from models.native.tiles import AMX_FLAGS, tile_grant
 ISA_LEVELS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")  # each includes the ones before it
 ISA_CAPS = ("auto", *ISA_LEVELS)
 CAP_ENV = "ATTNSERVE_CPU_ISA"
+EMULATION_ENV = "ATTNSERVE_AMX_EMULATION"
+
+logger = logging.getLogger(__name__)
 
 # The /proc/cpuinfo flags each x86 level adds to the one below (x86-64-v3 and -v4, then BF16 with the
 # VNNI every BF16 CPU has: Cooper Lake, Sapphire Rapids and later, Zen 4 and later; then AMX's tiles,
@@ -165,8 +170,23 @@ def apply_isa_cap(environ: MutableMapping[str, str] = os.environ) -> str:
     return isa
 
 
+def amx_emulated(features: CpuFeatures, environ: Mapping[str, str] = os.environ) -> bool:
+    """ATTNSERVE_AMX_EMULATION=1 on an AVX512-BF16 CPU without AMX: the amx level, its tile instructions in
+    software (models/csrc/amx_tiles.h). For tests, so that the amx build's kernels run on CPUs without
+    tiles: slow, never a way to serve."""
+    return environ.get(EMULATION_ENV, "") == "1" and features.isa == "avx512_bf16"
+
+
+@functools.cache
+def _warn_emulated() -> None:
+    logger.warning("attnserve: %s=1: the amx level's tiles are emulated in software (tests only: slow)", EMULATION_ENV)
+
+
 def machine_isa(environ: Mapping[str, str] = os.environ) -> str:
-    """This process's level: the CPU's own (AMX only where the tiles were granted), lowered by the caps
-    in its environment."""
+    """This process's level: the CPU's own (AMX only where the tiles were granted, or emulated), lowered by
+    the caps in its environment."""
     features = read_cpu_features()
+    if amx_emulated(features, environ):
+        _warn_emulated()
+        return choose_isa(replace(features, flags=features.flags | AMX_FLAGS), environ, tiles=True)
     return choose_isa(features, environ, tiles=amx_listed(features, environ) and tile_grant().granted)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from models.native.cache import cache_dir, cache_lock
-from models.native.cpu_features import machine_isa, read_cpu_features
+from models.native.cpu_features import amx_emulated, machine_isa, read_cpu_features
 
 ROOT = Path(__file__).resolve().parents[2]
 # the table of every library lives here, at the bottom, so `make install` builds them all
@@ -89,7 +89,10 @@ def build_level(name: str, isa: str) -> str:
 
 
 def flags(name: str, isa: str) -> list[str]:
-    return FLAGS + SOURCE_FLAGS.get(name, []) + ISA_FLAGS[build_level(name, isa)]
+    level = build_level(name, isa)
+    if level == "amx" and amx_emulated(read_cpu_features()):  # the tiles in software (amx_tiles.h)
+        return FLAGS + SOURCE_FLAGS.get(name, []) + ISA_FLAGS["avx512_bf16"] + ["-DATTNSERVE_AMX_EMULATED"]
+    return FLAGS + SOURCE_FLAGS.get(name, []) + ISA_FLAGS[level]
 
 
 def library_path(name: str, isa: str) -> Path:
