@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from models.native import cpu_features, toolchain
-from models.native.cpu_features import AMX_FLAGS, amx_emulated, parse_cpuinfo
+from models.native.cpu_features import amx_emulated
+from tests.test_cpu_path import features
 
 ROOT = Path(__file__).resolve().parents[1]
 X86 = os.uname().machine == "x86_64"
@@ -140,21 +141,14 @@ def test_what_faults_on_the_hardware_aborts_here(program, op, shape, fault):
 
 
 def test_the_emulated_level_is_amx_only_on_an_avx512_bf16_cpu_without_it(monkeypatch):
-    info = {
-        "zen4": "avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 avx512_vnni",
-        "skylake_x": "avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni",
-        "epyc_avx2": "",
-    }
-    base = "fma movbe avx f16c abm bmi1 avx2 bmi2"
-    cpus = {name: parse_cpuinfo(f"model name\t: {name}\nflags\t\t: {base} {flags}\n", "x86_64") for name, flags in info.items()}
-    spr = parse_cpuinfo(f"flags\t\t: {base} {info['zen4']} {' '.join(AMX_FLAGS)}\n", "x86_64")
+    zen4, spr = features("zen4"), features("sapphire_rapids")
     on = {cpu_features.EMULATION_ENV: "1"}
-    assert amx_emulated(cpus["zen4"], on) and not amx_emulated(cpus["zen4"], {})
-    assert not amx_emulated(cpus["skylake_x"], on) and not amx_emulated(cpus["epyc_avx2"], on)
+    assert amx_emulated(zen4, on) and not amx_emulated(zen4, {})
+    assert not amx_emulated(features("skylake_x"), on) and not amx_emulated(features("epyc_avx2"), on)
     assert not amx_emulated(spr, on)  # real tiles (or a refusal of them) are never emulated
     # the level follows, the caps still lower it, and the tile libraries build their emulated tiles
-    monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: cpus["zen4"])
-    monkeypatch.setattr(toolchain, "read_cpu_features", lambda: cpus["zen4"])
+    monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: zen4)
+    monkeypatch.setattr(toolchain, "read_cpu_features", lambda: zen4)
     assert cpu_features.machine_isa(on) == "amx"
     assert cpu_features.machine_isa({**on, "ATTNSERVE_CPU_ISA": "avx512_bf16"}) == "avx512_bf16"
     assert cpu_features.machine_isa({}) == "avx512_bf16"

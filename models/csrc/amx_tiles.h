@@ -109,31 +109,29 @@ inline void check_dot(int dst, int a, int b) {
   if (regs.colsb[a] % 4 || regs.colsb[dst] % 4) fault("a dot product over a part of a dword");
 }
 
-template <typename A, typename B>
-inline void dot_bytes(int dst, int a, int b) {
+// Each destination element (an Acc) takes `step(acc, A's dword k, B's dword k)` for k ascending
+template <typename Acc, typename Step>
+inline void dot(int dst, int a, int b, Step step) {
   check_dot(dst, a, b);
   for (int m = 0; m < regs.rows[dst]; ++m)
     for (int n = 0; n < regs.colsb[dst] / 4; ++n) {
-      int32_t acc;
+      Acc acc;
       std::memcpy(&acc, regs.data[dst][m] + 4 * n, 4);
-      for (int k = 0; k < regs.colsb[a] / 4; ++k)
-        for (int i = 0; i < 4; ++i)  // NOTE: int32 wraps on overflow, as the instruction's sums do
-          acc = int32_t(uint32_t(acc) + uint32_t(int32_t(A(regs.data[a][m][4 * k + i])) *
-                                                 int32_t(B(regs.data[b][k][4 * n + i]))));
+      for (int k = 0; k < regs.colsb[a] / 4; ++k) acc = step(acc, regs.data[a][m] + 4 * k, regs.data[b][k] + 4 * n);
       std::memcpy(regs.data[dst][m] + 4 * n, &acc, 4);
     }
 }
 
-// bf16 to fp32 with denormals as zeros, and fp32 results flushed to zero: the instruction's DAZ and FTZ
-inline float bf16_daz(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  uint32_t bits = uint32_t(h) << 16;
-  if ((bits & 0x7f800000u) == 0) bits &= 0x80000000u;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+template <typename A, typename B>
+inline void dot_bytes(int dst, int a, int b) {
+  dot<int32_t>(dst, a, b, [](int32_t acc, const uint8_t* x, const uint8_t* y) {
+    for (int i = 0; i < 4; ++i)  // NOTE: int32 wraps on overflow, as the instruction's sums do
+      acc = int32_t(uint32_t(acc) + uint32_t(int32_t(A(x[i])) * int32_t(B(y[i]))));
+    return acc;
+  });
 }
+
+// A denormal fp32 as a zero of its sign: the instruction's DAZ on its inputs and FTZ on its results
 inline float ftz(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
@@ -141,21 +139,22 @@ inline float ftz(float f) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+inline float bf16_daz(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return ftz(f);
+}
 
 // The SDM's order: per destination element, pair k's even product added, then its odd one, k ascending; each
 // product exact in fp32, each add rounded to nearest even
 inline void dot_bf16(int dst, int a, int b) {
-  check_dot(dst, a, b);
-  for (int m = 0; m < regs.rows[dst]; ++m)
-    for (int n = 0; n < regs.colsb[dst] / 4; ++n) {
-      float acc;
-      std::memcpy(&acc, regs.data[dst][m] + 4 * n, 4);
-      for (int k = 0; k < regs.colsb[a] / 4; ++k) {
-        acc = ftz(acc + bf16_daz(regs.data[a][m] + 4 * k) * bf16_daz(regs.data[b][k] + 4 * n));
-        acc = ftz(acc + bf16_daz(regs.data[a][m] + 4 * k + 2) * bf16_daz(regs.data[b][k] + 4 * n + 2));
-      }
-      std::memcpy(regs.data[dst][m] + 4 * n, &acc, 4);
-    }
+  dot<float>(dst, a, b, [](float acc, const uint8_t* x, const uint8_t* y) {
+    acc = ftz(acc + bf16_daz(x) * bf16_daz(y));
+    return ftz(acc + bf16_daz(x + 2) * bf16_daz(y + 2));
+  });
 }
 
 }  // namespace

@@ -90,9 +90,10 @@ def build_level(name: str, isa: str) -> str:
 
 def flags(name: str, isa: str) -> list[str]:
     level = build_level(name, isa)
+    isa_flags = ISA_FLAGS[level]
     if level == "amx" and amx_emulated(read_cpu_features()):  # the tiles in software (amx_tiles.h)
-        return FLAGS + SOURCE_FLAGS.get(name, []) + ISA_FLAGS["avx512_bf16"] + ["-DATTNSERVE_AMX_EMULATED"]
-    return FLAGS + SOURCE_FLAGS.get(name, []) + ISA_FLAGS[level]
+        isa_flags = ISA_FLAGS["avx512_bf16"] + ["-DATTNSERVE_AMX_EMULATED"]
+    return FLAGS + SOURCE_FLAGS.get(name, []) + isa_flags
 
 
 def library_path(name: str, isa: str) -> Path:
