@@ -68,9 +68,10 @@ test: install system-deps
 	$(PY) -m pytest -q $(XDIST) $(DURATIONS) $(PYTEST_ARGS)
 
 # The developer's loop: unit, engine and kernel tests on the tiny models; no Ray, no server, not the
-# 135M default model, no inductor compiles, nothing marked slow.
+# 135M default model, no inductor compiles, nothing marked slow, and no system package (`system`: what
+# `make system-deps` installs as root), so it runs on a fresh machine with `make install` alone.
 test-fast: install
-	$(PY) -m pytest -q $(XDIST) -m "not e2e and not default_model and not compiled and not slow and not exhaustive and not caps" $(DURATIONS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not e2e and not default_model and not compiled and not slow and not exhaustive and not caps and not system" $(DURATIONS) $(PYTEST_ARGS)
 
 # Everything, the exhaustive cross-products (every model type x feature x mode) included. Not in CI.
 test-all: install system-deps
@@ -82,13 +83,18 @@ test-all: install system-deps
 # (torch, oneDNN, inductor and our kernels all follow ATTNSERVE_CPU_ISA), then the kernels once more
 # on the portable build. On a CPU whose own level is AVX2 the cap changes nothing: `make test` ran the
 # kernels and the parity passes there already, so the AVX2 pass runs only the `caps` tests.
-# On an AVX512-BF16 CPU without AMX the kernels run once more at the amx level, its tiles emulated in
-# software (ATTNSERVE_AMX_EMULATION=1, models/csrc/amx_tiles.h): the amx build's own code, which no other
-# pass there runs. Serve and HTTP do not depend on the ISA: they run once, in `make test`. CI runs it
-# after `make test`.
+# The portable pass changes only our libraries: it leaves out what does not run them (`fallback`: no
+# compiler) and inductor's graphs around them (`compiled`: make test and the AVX2 cap run those).
+# On an AVX512-BF16 CPU without AMX the tile libraries' tests (`tiles`: q8_linear, paged_attention) run
+# once more at the amx level, its tiles emulated in software (ATTNSERVE_AMX_EMULATION=1,
+# models/csrc/amx_tiles.h): the amx build's own code, which no other pass there runs; every other library
+# loads its avx512_bf16 build there, which make test ran. Serve and HTTP do not depend on the ISA: they
+# run once, in `make test`. CI runs it after `make test` (docs/testing.md).
 MACHINE_ISA = $(PY) -c "from models.native.cpu_features import choose_isa, read_cpu_features; print(choose_isa(read_cpu_features()))"
 # The CPU's own level from its flags: avx512_bf16 means AVX512-BF16 and no AMX listed, where the amx build's
 # kernels run on emulated tiles (models/csrc/amx_tiles.h); an AMX CPU ran them natively in make test
+# what the passes that change only our libraries (portable, emulated amx) run
+LIBRARY_MARKS = kernel and not fallback and not compiled and not slow and not exhaustive
 CPU_LEVEL = $(PY) -c "from models.native.cpu_features import read_cpu_features; print(read_cpu_features().isa)"
 test-isa: install system-deps
 	$(PY) -m models.native --levels avx2,generic
@@ -97,11 +103,11 @@ test-isa: install system-deps
 	  echo "test-isa: this CPU's level is avx2, where make test ran the kernel and isa tests: the avx2 pass runs the caps tests"; fi; \
 	echo "ATTNSERVE_CPU_ISA=avx2 $(PY) -m pytest -q $(XDIST) -m \"$$marks\" $(DURATIONS) $(PYTEST_ARGS)"; \
 	ATTNSERVE_CPU_ISA=avx2 $(PY) -m pytest -q $(XDIST) -m "$$marks" $(DURATIONS) $(PYTEST_ARGS)
-	ATTNSERVE_CPU_ISA=generic $(PY) -m pytest -q $(XDIST) -m "kernel and not slow and not exhaustive" $(DURATIONS) $(PYTEST_ARGS)
+	ATTNSERVE_CPU_ISA=generic $(PY) -m pytest -q $(XDIST) -m "$(LIBRARY_MARKS)" $(DURATIONS) $(PYTEST_ARGS)
 	@if [ "$$($(CPU_LEVEL))" = avx512_bf16 ]; then \
 	  echo "test-isa: the amx build's kernels on this CPU without AMX, their tiles emulated (ATTNSERVE_AMX_EMULATION=1)"; \
 	  ATTNSERVE_AMX_EMULATION=1 $(PY) -m models.native --levels amx && \
-	  ATTNSERVE_AMX_EMULATION=1 $(PY) -m pytest -q $(XDIST) -m "kernel and not slow and not exhaustive" $(DURATIONS) $(PYTEST_ARGS); fi
+	  ATTNSERVE_AMX_EMULATION=1 $(PY) -m pytest -q $(XDIST) -m "tiles and $(LIBRARY_MARKS)" $(DURATIONS) $(PYTEST_ARGS); fi
 
 # Headless locust against `attnserve serve` started for the run (or LOADTEST_ARGS="--url ...").
 loadtest: install

@@ -60,7 +60,7 @@ def make_adapters(args, out: Path) -> list[Path]:
 def _engine(args, max_loras: int) -> LLMEngine:
     return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
                                   max_num_seqs=max(64, args.requests), max_loras=max_loras,
-                                  max_lora_rank=args.rank))
+                                  max_lora_rank=args.rank, enforce_eager=args.enforce_eager))
 
 
 def bench_attnserve(args, prompts, adapters: list[Path], with_lora: bool, load: bool = True) -> dict:
@@ -168,6 +168,8 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per system and round; medians are reported")
     p.add_argument("--rounds", type=int, default=3, help="attnserve's: each round runs both engines, a process each")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no compiled step (a quick check of the script, not a figure to report)")
     args = p.parse_args(argv)
     systems = peer_systems(p, args, SYSTEMS)
     prompts = make_prompts(args.requests, args.min_prompt, args.max_prompt,

@@ -226,11 +226,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     from models.lora_format import read_adapter  # noqa: PLC0415 - after the ISA cap, as the rest
     from server.deployment import (  # noqa: PLC0415 - Ray
-        HUB_NAMESPACE,
+        STATE_NAMESPACE,
         build_app,
-        hub_name,
-        registry_name,
         required_cpus,
+        state_name,
     )
     from server.openai_api import ApiLimits  # noqa: PLC0415 - FastAPI, pydantic
     from server.serve_config import ServeConfig  # noqa: PLC0415 - FastAPI, pydantic
@@ -290,11 +289,10 @@ def _serve(args: argparse.Namespace) -> int:
     print("attnserve: shutting down: draining in-flight requests...", flush=True)
     left = _drain(args.app_name, args.drain_timeout)
     print(f"attnserve: {'drained' if left == 0 else f'{left} request(s) still running; aborting them'}", flush=True)
-    if joined:  # leave the cluster as we found it: our application, its metrics hub and adapters go
+    if joined:  # leave the cluster as we found it: our application and its state (metrics, adapters, responses) go
         serve.delete(args.app_name)
-        for actor in (hub_name(args.app_name), registry_name(args.app_name)):
-            with contextlib.suppress(ValueError):
-                ray.kill(ray.get_actor(actor, namespace=HUB_NAMESPACE))
+        with contextlib.suppress(ValueError):
+            ray.kill(ray.get_actor(state_name(args.app_name), namespace=STATE_NAMESPACE))
     else:
         serve.shutdown()
     ray.shutdown()
@@ -304,15 +302,15 @@ def _serve(args: argparse.Namespace) -> int:
 def _drain(app_name: str, timeout: float) -> int:
     """Wait until no engine of the application has a running or waiting request (or timeout).
 
-    Returns how many were still in flight. Reads the replicas' own reports via the metrics hub.
+    Returns how many were still in flight. Reads the replicas' own reports via the application's state actor.
     """
 
     import ray  # noqa: PLC0415 - Ray
 
-    from server.deployment import HUB_NAMESPACE, hub_name  # noqa: PLC0415 - Ray
+    from server.deployment import STATE_NAMESPACE, state_name  # noqa: PLC0415 - Ray
 
     try:
-        hub = ray.get_actor(hub_name(app_name), namespace=HUB_NAMESPACE)
+        hub = ray.get_actor(state_name(app_name), namespace=STATE_NAMESPACE)
     except ValueError:
         return 0
     started, deadline = time.time(), time.monotonic() + timeout

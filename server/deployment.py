@@ -4,8 +4,9 @@ application with one model (unless `separate_ingress`) is one `ModelServer` depl
 its replicas serve HTTP themselves, unless it has several replicas routed by cache
 (`server/router.py`): the ingress then tokenizes and hashes prompts so the router can place them.
 
-LoRA adapters: the application's registry is a detached named actor every HTTP replica reads
-(server/lora_registry.py); a model replica holds adapters as Serve's multiplexed models (at most
+What the replicas of an application share lives in one detached named actor per application and
+cluster (`AppState`): the metrics hub, the LoRA adapter registry (server/lora_registry.py) and the
+stored responses (server/response_store.py). A model replica holds adapters as Serve's multiplexed models (at most
 max_loras, least recently used out), and a request for an adapter goes, through
 `handle.options(multiplexed_model_id=...)`, to a replica that holds it where one does.
 
@@ -56,16 +57,15 @@ from server.worker import ModelWorker, encode_prompt
 
 logger = logging.getLogger(__name__)
 FORWARDED_ENV = ("ATTNSERVE_CACHE_DIR", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "HF_HOME", "ATTNSERVE_CHAOS")
-HUB_NAMESPACE = "attnserve"
+STATE_NAMESPACE = "attnserve"
 REPORT_PERIOD_S = 1.0
 ROUTING_STATS_PERIOD_S = 1.0  # how often Serve asks each replica for its cache summary and load
 
 
-@ray.remote(num_cpus=0)
 class MetricsHub:
-    """One per application and cluster: every model replica, on any node, pushes its snapshot here,
-    and /metrics renders the sum. A replica that stops reporting keeps its counters (they stay
-    monotonic) but its gauges drop out after STALE_AFTER_S."""
+    """Every model replica of an application, on any node, pushes its snapshot here, and /metrics
+    renders the sum. A replica that stops reporting keeps its counters (they stay monotonic) but
+    its gauges drop out after STALE_AFTER_S."""
 
     def __init__(self) -> None:
         self.snapshots: dict[str, MetricsSnapshot] = {}
@@ -77,15 +77,32 @@ class MetricsHub:
         return list(self.snapshots.values())
 
 
-def hub_name(app_name: str) -> str:
-    return f"attnserve-metrics-{app_name}"
+class AppState(MetricsHub, AdapterRegistry, ResponseStore):
+    """What an application's replicas share: the metrics hub, the LoRA adapters (AdapterRegistry) and
+    the stored responses (ResponseStore), their methods side by side.
+
+    NOTE: one actor, not one each: every Ray actor is a process of its own (~150 MB, about a second
+    of CPU to start, and its share of Ray's background work), and these only hold small maps."""
+
+    def __init__(self, store: StoreConfig) -> None:
+        MetricsHub.__init__(self)
+        AdapterRegistry.__init__(self)
+        ResponseStore.__init__(self, store)
 
 
-def metrics_hub(app_name: str, resources: dict[str, float] | None = None):
-    """The application's hub actor, created by whichever replica asks first (placed by `resources`,
-    the ingress's: a node that may go away must not take the metrics with it)."""
-    return MetricsHub.options(name=hub_name(app_name), namespace=HUB_NAMESPACE, lifetime="detached",
-                              get_if_exists=True, resources=resources or {}).remote()
+AppStateActor = ray.remote(num_cpus=0)(AppState)
+
+
+def state_name(app_name: str) -> str:
+    return f"attnserve-state-{app_name}"
+
+
+def app_state(app_name: str, store: StoreConfig, resources: dict[str, float] | None = None):
+    """The application's AppState actor, created by whichever replica asks first, placed by `resources`
+    (the ingress's: a node that may go away must not take the metrics with it). `store` applies when it
+    is created: a later deployment of the same application keeps the running actor's."""
+    return AppStateActor.options(name=state_name(app_name), namespace=STATE_NAMESPACE, lifetime="detached",
+                                 get_if_exists=True, resources=resources or {}).remote(store)
 
 
 @dataclass(frozen=True)
@@ -94,36 +111,6 @@ class LoraOptions:
 
     modules: dict[str, str] = field(default_factory=dict)  # name -> path: the one served model's adapters
     allow_runtime: bool = False  # /v1/load_lora_adapter without an API key
-
-
-ResponseStoreActor = ray.remote(num_cpus=0)(ResponseStore)
-
-
-def store_name(app_name: str) -> str:
-    return f"attnserve-responses-{app_name}"
-
-
-def response_store(app_name: str, config: StoreConfig, resources: dict[str, float] | None = None) -> RayStore:
-    """The application's stored responses (/v1/responses), one actor every replica that serves HTTP
-    reads, created by whichever asks first; placed like the metrics hub. `config` applies when it is
-    created (a later deployment of the same application keeps the running actor's)."""
-    actor = ResponseStoreActor.options(name=store_name(app_name), namespace=HUB_NAMESPACE, lifetime="detached",
-                                       get_if_exists=True, resources=resources or {}).remote(config)
-    return RayStore(actor)
-
-
-AdapterRegistryActor = ray.remote(num_cpus=0)(AdapterRegistry)
-
-
-def registry_name(app_name: str) -> str:
-    return f"attnserve-lora-{app_name}"
-
-
-def adapter_registry(app_name: str, resources: dict[str, float] | None = None) -> RemoteAdapters:
-    """The application's LoRA adapters, one actor every HTTP replica reads; placed like the metrics hub."""
-    actor = AdapterRegistryActor.options(name=registry_name(app_name), namespace=HUB_NAMESPACE, lifetime="detached",
-                                         get_if_exists=True, resources=resources or {}).remote()
-    return RemoteAdapters(actor)
 
 
 class AdapterLease:
@@ -159,7 +146,7 @@ def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
 
 
 class RayStore(StoreClient):
-    """StoreClient over the application's `ResponseStore` actor."""
+    """StoreClient over the application's `AppState` actor (its ResponseStore methods)."""
 
     def __init__(self, actor) -> None:
         self.actor = actor
@@ -201,10 +188,12 @@ class ModelReplica(LocalModelClient):
     ModelClient methods it inherits; Serve's own calls (health checks, autoscaling and routing
     stats) are here."""
 
-    def __init__(self, name: str, engine_config: EngineConfig, hub_resources: dict[str, float] | None = None) -> None:
+    def __init__(self, name: str, engine_config: EngineConfig, hub_resources: dict[str, float] | None = None,
+                 store: StoreConfig | None = None) -> None:
         super().__init__(ModelWorker(name, engine_config))
         ctx = serve.get_replica_context()
-        self.reporter = _Reporter(self.worker, metrics_hub(ctx.app_name, hub_resources), ctx.replica_id.unique_id,
+        self.state = app_state(ctx.app_name, store or StoreConfig(), hub_resources)
+        self.reporter = _Reporter(self.worker, self.state, ctx.replica_id.unique_id,
                                   ray.get_runtime_context().get_node_id())
         self.reporter.push()
         self.reporter.start()
@@ -265,22 +254,22 @@ ModelDeployment = serve.deployment(health_check_period_s=5, health_check_timeout
 
 
 class _ServesApi:
-    """The FastAPI app of a replica that answers HTTP, over its model clients; metrics from the hub,
-    LoRA adapters from the application's registry."""
+    """The FastAPI app of a replica that answers HTTP, over its model clients; metrics, LoRA adapters
+    and stored responses from the application's AppState actor."""
 
-    def _serve_api(self, clients: dict, limits: ApiLimits, api_key: str | None,
-                   hub_resources: dict[str, float] | None = None, store: StoreConfig | None = None,
+    def _serve_api(self, state, clients: dict, limits: ApiLimits, api_key: str | None,
                    lora: LoraOptions | None = None) -> None:
-        app_name = serve.get_replica_context().app_name
-        self.hub = metrics_hub(app_name, hub_resources)
+        # NOTE: `state` is the replica's one handle on its AppState: a ModelServer's second get_if_exists
+        # of the actor its own __init__ had just created left /v1/models awaiting it forever (1 run in 2)
+        self.state = state
         lora = lora or LoraOptions()
-        self.api = OpenAIApi(clients, limits, adapter_registry(app_name, hub_resources), lora.modules,
-                             lora.allow_runtime, self.snapshots)
+        self.api = OpenAIApi(clients, limits, RemoteAdapters(self.state), lora.modules, lora.allow_runtime,
+                             self.snapshots)
         self.api_key = api_key
-        self.responses = response_store(app_name, store or StoreConfig(), hub_resources)
+        self.responses = RayStore(self.state)
 
     async def snapshots(self) -> list[MetricsSnapshot]:
-        return await self.hub.collect.remote()
+        return await self.state.collect.remote()
 
     def __serve_build_asgi_app__(self):
         return create_app(self.api, self.api_key, self.snapshots, self.responses)
@@ -295,8 +284,8 @@ class ModelServer(ModelReplica, _ServesApi):
     def __init__(self, name: str, engine_config: EngineConfig, limits: ApiLimits, api_key: str | None,
                  hub_resources: dict[str, float] | None = None, store: StoreConfig | None = None,
                  lora: LoraOptions | None = None) -> None:
-        super().__init__(name, engine_config, hub_resources)
-        self._serve_api({name: self}, limits, api_key, hub_resources, store, lora)
+        super().__init__(name, engine_config, hub_resources, store)
+        self._serve_api(self.state, {name: self}, limits, api_key, lora)
 
 
 class RayModelClient(ModelClient):
@@ -376,8 +365,9 @@ class OpenAIIngress(_ServesApi):
                  store: StoreConfig | None = None, lora: LoraOptions | None = None) -> None:
         """`tokenize`: model name -> source, for the models routed by cache (tokenized here)."""
         tokenizers = {name: load_tokenizer(resolve_model(source)) for name, source in (tokenize or {}).items()}
-        self._serve_api({name: RayModelClient(h, tokenizers.get(name), name) for name, h in models.items()},
-                        limits, api_key, hub_resources, store, lora)
+        state = app_state(serve.get_replica_context().app_name, store or StoreConfig(), hub_resources)
+        self._serve_api(state, {name: RayModelClient(h, tokenizers.get(name), name) for name, h in models.items()},
+                        limits, api_key, lora)
 
 
 def _deployment_name(model: str) -> str:
@@ -420,7 +410,7 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> serve.Applica
             options["request_router_config"] = RequestRouterConfig(
                 request_router_class=CacheAwareRouter, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
         models[name] = ModelDeployment.options(**options).bind(name, cfg.engine_config(source, cpus),
-                                                               cfg.ingress_resources)
+                                                               cfg.ingress_resources, cfg.responses_store)
     ingress_options = {"num_cpus": 0, "runtime_env": {"env_vars": env}, "resources": dict(cfg.ingress_resources)}
     return OpenAIIngress.options(ray_actor_options=ingress_options,
                                  graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s).bind(

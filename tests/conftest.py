@@ -20,13 +20,21 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from loadtests.servers import free_port  # noqa: E402
-from tests import scheduling  # noqa: E402
-from tests.budget import pytest_runtest_logreport, pytest_runtest_makereport, pytest_terminal_summary  # noqa: E402,F401  (the time guard)
+from tests import budget, scheduling  # noqa: E402
+from tests.budget import (  # noqa: E402,F401  (the time guards and reports)
+    pytest_runtest_logreport,
+    pytest_runtest_makereport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 from tests.tiny import ARCHS, VARIANT_ARCHS, make_checkpoint  # noqa: E402
 
 # a Ray cluster or a listening server: `make test-fast` leaves out every test that uses one (the files
 # that start their own, test_cli_serve and test_two_nodes, carry the mark themselves)
 E2E_FIXTURES = frozenset({"ray_session", "uvicorn_url", "page_url", "gemma2_server"})
+# a system package (tests/system_tools.py), installed by `make system-deps`: marked `system`, which
+# `make test-fast` leaves out (it runs on a fresh machine without root)
+SYSTEM_FIXTURES = frozenset({"promtool", "prometheus", "chromium"})
 # the embedded 135M model (seconds per test where the tiny ones take milliseconds): `make test-fast`
 # leaves these out too; tests that load it without the fixture carry the mark themselves
 DEFAULT_MODEL_FIXTURES = frozenset({"default_model_dir"})
@@ -40,6 +48,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
         if DEFAULT_MODEL_FIXTURES & fixtures:
             item.add_marker(pytest.mark.default_model)
+        if SYSTEM_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.system)
         if "compiled" in item.nodeid:  # NOTE: by name: each file, test or case of the compiled step says so
             item.add_marker(pytest.mark.compiled)
     path = lambda item: item.nodeid.split("::")[0]  # noqa: E731
@@ -60,11 +70,37 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     scheduling.configure(config)
+    budget.configure(config)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     return scheduling.make_scheduler(config, log)
+
+
+@pytest.fixture(scope="session")
+def promtool():
+    """promtool's `check metrics` (tests/system_tools.py Promtool): the test is marked `system`."""
+    from tests.system_tools import Promtool
+
+    return Promtool()
+
+
+@pytest.fixture(scope="session")
+def prometheus() -> str:
+    """The Prometheus server's executable: the test is marked `system`."""
+    from tests.system_tools import require
+
+    return require("prometheus")
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """Headless Chromium (tests/system_tools.py run_chromium): the test is marked `system`."""
+    from tests.system_tools import require, run_chromium
+
+    require("chromium")
+    return run_chromium
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from loadtests.servers import free_port
-from tests.test_observability_e2e import OUTPUT, chromium
+from tests.test_observability_e2e import OUTPUT
 from tests.tiny import WINDOW
 
 # the first is the page's default; Mistral: every layer slides; Gemma 2: sliding / global alternating;
@@ -63,14 +63,14 @@ def canvas_attrs(dom: str) -> dict[str, str]:
     return dict(re.findall(r'data-([a-z-]+)="([^"]*)"', canvas))
 
 
-def dom_of(url: str, tmp_path) -> tuple[str, dict[str, str]]:
+def dom_of(chromium, url: str, tmp_path) -> tuple[str, dict[str, str]]:
     """The page as Chromium leaves it, and its canvas's data attributes."""
     res = chromium(f"--user-data-dir={tmp_path / 'dom'}", "--dump-dom", url)
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout, canvas_attrs(res.stdout)
 
 
-def pixels_of(url: str, tmp_path, name: str) -> np.ndarray:
+def pixels_of(chromium, url: str, tmp_path, name: str) -> np.ndarray:
     """The canvas's pixels (960 x 960 x RGB), cut out of Chromium's screenshot of the page."""
     OUTPUT.mkdir(exist_ok=True)
     shot = OUTPUT / f"{name}.png"
@@ -118,10 +118,10 @@ def expected_sinks(w: np.ndarray) -> np.ndarray:
     return np.stack([js_round(255 - 20 * v), js_round(255 - 125 * v), js_round(255 - 200 * v)], -1)
 
 
-def test_page_draws_its_example_prompt_on_open(page_url, tmp_path):
+def test_page_draws_its_example_prompt_on_open(page_url, tmp_path, chromium):
     """No query string, nothing clicked: the first model's heatmap of the example prompt is drawn."""
     url = f"{page_url}/dashboard/attention"
-    dom, attrs = dom_of(url, tmp_path)
+    dom, attrs = dom_of(chromium, url, tmp_path)
     t = int(attrs["tokens"])
     assert t > 2 and attrs["layer"] == "0" and attrs["head"] == "mean", attrs
     assert attrs["window"] == "" and attrs["sinks"] == "0" and attrs["sink-left"] == "", attrs  # no sink column
@@ -129,7 +129,7 @@ def test_page_draws_its_example_prompt_on_open(page_url, tmp_path):
     assert re.search(rf'<div id="status">{t} tokens, 2 layers, 4 heads</div>', dom), dom[-3000:]
     assert "layer 0: global attention" in dom
     prompt = html.unescape(re.search(r'<textarea id="prompt">([^<]*)</textarea>', dom).group(1))
-    pixels = pixels_of(url, tmp_path, "attention-on-open")
+    pixels = pixels_of(chromium, url, tmp_path, "attention-on-open")
     assert (pixels != WHITE).any(-1).sum() > 20_000  # not a blank canvas
     cells, expected = grid(pixels, attrs), expected_cells(api_matrix(page_url, "tiny", prompt, 0))
     assert np.abs(cells - expected).max() <= 1  # each cell the API's weight, where it belongs
@@ -137,17 +137,17 @@ def test_page_draws_its_example_prompt_on_open(page_url, tmp_path):
     assert (cells[~below] == WHITE).all() and (cells[below] != WHITE).any(-1).mean() > 0.9
 
 
-def test_windowed_layer_draws_its_band(page_url, tmp_path):
+def test_windowed_layer_draws_its_band(page_url, tmp_path, chromium):
     """Every layer slides (window WINDOW): keys WINDOW or more back stay background, the band's far
     edge is outlined, and the layer is labelled with its window."""
     url = f"{page_url}/dashboard/attention?model=tiny-window&layer=1&prompt={quote(LONG_PROMPT)}"
-    dom, attrs = dom_of(url, tmp_path)
+    dom, attrs = dom_of(chromium, url, tmp_path)
     t = int(attrs["tokens"])
     assert t > WINDOW + 4 and attrs["layer"] == "1" and attrs["window"] == str(WINDOW), attrs
     assert f'<option value="0">0 (sliding window {WINDOW})</option>' in dom
     assert f"layer 1: sliding window {WINDOW}: keys {WINDOW} or more positions back weigh 0" in dom
     assert "with a sliding window" in re.search(r'<div id="status">([^<]*)</div>', dom).group(1)
-    pixels = pixels_of(url, tmp_path, "attention-window")
+    pixels = pixels_of(chromium, url, tmp_path, "attention-window")
     cells = grid(pixels, attrs)
     assert np.abs(cells - expected_cells(api_matrix(page_url, "tiny-window", LONG_PROMPT, 1))).max() <= 1
     q, k = np.arange(t)[:, None], np.arange(t)[None, :]
@@ -161,32 +161,32 @@ def test_windowed_layer_draws_its_band(page_url, tmp_path):
         assert r - b > 100 and r > g, (i, (r, g, b))
 
 
-def test_alternating_layers_say_which_slides(page_url, tmp_path):
+def test_alternating_layers_say_which_slides(page_url, tmp_path, chromium):
     """Gemma 2: layer 0 slides, layer 1 is global; each labelled, each drawn as such."""
     url = f"{page_url}/dashboard/attention?model=tiny-gemma2&prompt={quote(LONG_PROMPT)}"
-    dom, attrs = dom_of(url, tmp_path)
+    dom, attrs = dom_of(chromium, url, tmp_path)
     assert attrs["layer"] == "0" and attrs["window"] == str(WINDOW), attrs
     assert f'<option value="0">0 (sliding window {WINDOW})</option><option value="1">1 (global)</option>' in dom
     assert "(1 with a sliding window)" in dom
-    dom, attrs = dom_of(f"{url}&layer=1", tmp_path)
+    dom, attrs = dom_of(chromium, f"{url}&layer=1", tmp_path)
     assert attrs["layer"] == "1" and attrs["window"] == "" and "layer 1: global attention" in dom, attrs
     t = int(attrs["tokens"])
-    cells = grid(pixels_of(f"{url}&layer=1", tmp_path, "attention-global-layer"), attrs)
+    cells = grid(pixels_of(chromium, f"{url}&layer=1", tmp_path, "attention-global-layer"), attrs)
     assert np.abs(cells - expected_cells(api_matrix(page_url, "tiny-gemma2", LONG_PROMPT, 1))).max() <= 1
     below = np.tril(np.ones((t, t), dtype=bool))
     assert (cells[~below] == WHITE).all() and (cells[below] != WHITE).any(-1).mean() > 0.9  # the whole triangle
 
 
-def test_sinks_share_is_a_column_left_of_key_0(page_url, tmp_path):
+def test_sinks_share_is_a_column_left_of_key_0(page_url, tmp_path, chromium):
     """Learned sinks: a row sums to 1 minus the sink's share, drawn in a "sink" column of its own."""
     url = f"{page_url}/dashboard/attention?model=tiny-granite&layer=1&prompt={quote(LONG_PROMPT)}"
-    dom, attrs = dom_of(url, tmp_path)
+    dom, attrs = dom_of(chromium, url, tmp_path)
     assert attrs["sinks"] == "1" and attrs["window"] == str(WINDOW) and float(attrs["sink-max"]) > 0.01, attrs
     assert "sink column: the share the sink takes" in dom
     assert '<option value="0">0 (global)</option><option value="1">1 (sliding window 24)</option>' in dom
     t, cell, left, top, sink_left = (int(attrs[n]) for n in ("tokens", "cell", "left", "top", "sink-left"))
     assert sink_left + cell < left  # the column, then a gap, then key 0
-    pixels = pixels_of(url, tmp_path, "attention-sinks")
+    pixels = pixels_of(chromium, url, tmp_path, "attention-sinks")
     w = api_matrix(page_url, "tiny-granite", LONG_PROMPT, 1)
     assert np.abs(grid(pixels, attrs) - expected_cells(w)).max() <= 1
     rows = top + np.arange(t) * cell + cell // 2

@@ -24,7 +24,7 @@ from kvcache.quant import KVScales, dequantize, quantize
 from kvcache.storage import KVCacheSpec, PagedKVCache
 from models.attention import AttentionVariant, reference_attention
 
-pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
+pytestmark = [pytest.mark.kernel, pytest.mark.tiles]  # make test-isa runs this file again under the AVX2 cap, on the portable build and on emulated AMX tiles
 
 ROOT = Path(__file__).resolve().parents[1]
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]

@@ -46,7 +46,7 @@ def test_scales_up_under_locust_load_and_back_down(serve_url, tiny_variants, tmp
 
     from loadtests.run_loadtest import run_locust, summarize
     from loadtests.workload import LengthSpec, build
-    from server.deployment import HUB_NAMESPACE, build_app, hub_name
+    from server.deployment import STATE_NAMESPACE, build_app, state_name
     from server.engine.config import EngineConfig
     from server.serve_config import ServeConfig
 
@@ -91,7 +91,7 @@ def test_scales_up_under_locust_load_and_back_down(serve_url, tiny_variants, tmp
         done.set()
         assert num_running_replicas() == 1  # and back down once idle
         time.sleep(2)
-        hub = ray.get_actor(hub_name(APP), namespace=HUB_NAMESPACE)
+        hub = ray.get_actor(state_name(APP), namespace=STATE_NAMESPACE)
         snaps = ray.get(hub.collect.remote())
         assert len(snaps) == 2  # both replicas served and reported
         assert all(s.gauges.kv_blocks_used == 0 for s in snaps)  # no block held anywhere

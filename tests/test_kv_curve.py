@@ -4,8 +4,6 @@ pool's own KVCacheSpec.bytes_for; metrics, /v1/models, the dashboard and eval re
 import asyncio
 import json
 import re
-import shutil
-import subprocess
 import threading
 import time
 
@@ -21,7 +19,6 @@ from server.kv_forms import KV_CURVE_LENGTHS, curve_lengths, kv_bytes_at, kv_byt
 from server.metrics import MetricsRecorder
 from server.prometheus import render_prometheus
 from server.wire import EngineStats, ModelInfo
-from tests.promtool import metrics_problems
 
 # per layer: a window in tokens or None (global)
 LAYOUTS = {
@@ -129,7 +126,7 @@ def engine_stats(used: int) -> EngineStats:
     return EngineStats(time.time(), 1, 0, 100, used, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
-def test_metrics_pool_bytes_and_curve_of_a_windowed_model():
+def test_metrics_pool_bytes_and_curve_of_a_windowed_model(promtool):
     info = windowed_info()
     assert info.kv_block_bytes == 1024  # one layer's block: half of kv_bytes_per_token x block_size
     snap = MetricsRecorder("w", info).snapshot(engine_stats(used=7))
@@ -147,8 +144,7 @@ def test_metrics_pool_bytes_and_curve_of_a_windowed_model():
         assert value(s, "attnserve_kv_bytes_per_token_at_length", model="w", tokens=str(n)) == spec.bytes_for(n) / n
         assert value(s, "attnserve_kv_bytes_per_token_at_length", model="g", tokens=str(n)) == 128
     assert value(s, "attnserve_kv_bytes_per_token_at_length", model="w", tokens="32768") == pytest.approx(64, rel=0.01)
-    if shutil.which("promtool"):
-        assert metrics_problems(text) == []
+    assert promtool(text) == []
 
 
 def test_dashboard_data_of_a_windowed_model():
@@ -239,7 +235,7 @@ def gemma2_server(variant_checkpoints):
     worker.shutdown()
 
 
-def test_a_windowed_model_end_to_end(gemma2_server, tmp_path):
+def test_a_windowed_model_end_to_end(gemma2_server, tmp_path, chromium):
     from tests.tiny import WINDOW
 
     url = gemma2_server
@@ -277,14 +273,7 @@ def test_a_windowed_model_end_to_end(gemma2_server, tmp_path):
     assert m["layer_windows"] == [WINDOW, None] and m["kv_bytes_per_token_at"] == at
     assert [f["sliding_window"] for f in m["forms"]] == [True, True, True, False]
     # the page draws the curve: one line, its points the server's
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        pytest.skip("no chromium for the dashboard check")
-    res = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                          "--virtual-time-budget=8000", "--window-size=1280,1400",
-                          f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", f"{url}/dashboard"],
-                         capture_output=True, text=True, timeout=120)
+    res = chromium(f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", f"{url}/dashboard")
     assert res.returncode == 0, res.stderr[-2000:]
     charts = dict(re.findall(r'id="(chart-[a-z-]+)"[^>]*data-points="([^"]*)"', res.stdout))
     points = json.loads(charts["chart-bytes-per-token"].replace("&quot;", '"'))

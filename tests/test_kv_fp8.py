@@ -16,7 +16,7 @@ from models.attention import DenseAttention, reference_attention
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.reference import first_divergences
 
-pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
+pytestmark = [pytest.mark.kernel, pytest.mark.tiles]  # make test-isa runs this file again under the AVX2 cap, on the portable build and on emulated AMX tiles
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 

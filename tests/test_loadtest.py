@@ -60,7 +60,7 @@ def test_short_headless_locust_run(serve_url, tmp_path):
     spec = LengthSpec(median=8, sigma=0.5, min_words=2, max_words=20, long_min=20, long_max=30, shared_prefix_words=15)
     workload.write_text("\n".join(json.dumps(r) for r in build(300, 0, spec, max_tokens=(8, 16))))
     out = tmp_path / "run"
-    summary = main(["--url", serve_url, "--users", "6", "--spawn-rate", "6", "--duration", "20s", "--scenario", "all",
+    summary = main(["--url", serve_url, "--users", "6", "--spawn-rate", "6", "--duration", "12s", "--scenario", "all",
                     "--models", "tiny-gqa,tiny-mha,tiny-mqa", "--workload", str(workload), "--out", str(out)])
     assert summary["locust_exit_code"] == 0 and summary["failures"] == 0
     assert summary["requests"] > 20 and summary["output_tokens"] > 0

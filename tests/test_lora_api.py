@@ -18,7 +18,6 @@ from server.openai_api import ApiError, ApiLimits, OpenAIApi
 from server.protocol import CompletionRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from server.worker import ModelWorker
 from tests.lora_helpers import make_adapter, peft_model
-from tests.promtool import metrics_problems
 from tests.reference import hf_greedy, load_hf
 
 PROMPT = [5, 17, 42, 99, 7, 3, 61, 28, 14]
@@ -245,7 +244,7 @@ def test_unload_refuses_new_requests_while_one_in_flight_finishes(worker, lora_a
     assert text == expected
 
 
-def test_metrics_by_adapter(api, worker):
+def test_metrics_by_adapter(api, worker, promtool):
     async def go(sdk, http):
         for model in ("all8", "all8", "attn4"):
             await sdk.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0,
@@ -271,7 +270,7 @@ def test_metrics_by_adapter(api, worker):
     assert samples["attnserve_lora_adapter_replicas", "attn4"] == 1
     (info,) = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "vllm:lora_requests_info"]
     assert info.labels["max_lora"] == "2" and info.labels["running_lora_adapters"] == ""
-    assert metrics_problems(text.encode()) == []
+    assert promtool(text.encode()) == []
     (model,) = dashboard["models"]
     assert model["adapters_by_replica"] == {"replica-1": list(after.loras)} and "attn4" in after.loras
 

@@ -39,9 +39,9 @@ def snapshots() -> list:
     """Each replica's latest metrics report (they push one a second)."""
     import ray
 
-    from server.deployment import HUB_NAMESPACE, hub_name
+    from server.deployment import STATE_NAMESPACE, state_name
 
-    return ray.get(ray.get_actor(hub_name(APP), namespace=HUB_NAMESPACE).collect.remote())
+    return ray.get(ray.get_actor(state_name(APP), namespace=STATE_NAMESPACE).collect.remote())
 
 
 def loads() -> dict[str, int]:

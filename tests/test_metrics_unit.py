@@ -1,5 +1,4 @@
 """Metrics merging and rendering, without Ray: sums across replicas, staleness, exposition format."""
-import shutil
 import time
 from dataclasses import replace
 
@@ -18,7 +17,6 @@ from server.wire import (
     RequestPoint,
     RequestStats,
 )
-from tests.promtool import metrics_problems
 
 CPU = CpuPath("cpu", "avx2", "bfloat16", "bfloat16", "torch", "sdpa", 1)
 
@@ -117,7 +115,7 @@ def test_eval_rows_merge_in_the_cache(tmp_path, monkeypatch):
     assert eval_results.results_path().parent == tmp_path / "eval"
 
 
-def test_weight_bytes_gauge_and_dashboard_fields():
+def test_weight_bytes_gauge_and_dashboard_fields(promtool):
     a, b = (snapshot("a", "gqa", 2, age=age, quantization="int8", weight_bytes=123_456) for age in (0.0, 1.0))
     s = parse(render_prometheus([a, b, snapshot("plain", "mqa", 1)]))  # "plain": unquantized, 1000 bytes
     assert value(s, "attnserve_model_weight_bytes", model="a", quantization="int8", kv_heads="2") == 123_456  # not summed
@@ -126,8 +124,7 @@ def test_weight_bytes_gauge_and_dashboard_fields():
     data = {m["model"]: m for m in dashboard_data([a, b, snapshot("plain", "mqa", 1)])["models"]}
     assert (data["a"]["quantization"], data["a"]["weight_bytes"]) == ("int8", 123_456)
     assert (data["plain"]["quantization"], data["plain"]["weight_bytes"]) == ("none", 1000)
-    assert shutil.which("promtool"), "promtool missing: `make test` installs Debian's prometheus package"
-    assert metrics_problems(render_prometheus([a, b])) == []
+    assert promtool(render_prometheus([a, b])) == []
 
 
 def test_eval_rows_merge_per_weight_format(tmp_path, monkeypatch):
@@ -148,10 +145,9 @@ def test_dashboard_lists_replicas_per_node():
     assert model["replicas_by_node"] == {"nA": ["r1", "r3"], "nB": ["r2"]} and model["replicas"] == 3
 
 
-def test_promtool_accepts_the_exposition():
-    assert shutil.which("promtool"), "promtool missing: `make test` installs Debian's prometheus package"
+def test_promtool_accepts_the_exposition(promtool):
     text = render_prometheus([snapshot(), snapshot("b", "mha", 4)])
-    assert metrics_problems(text) == []
+    assert promtool(text) == []
 
 
 def recorder_snapshot(*spec: tuple[list[int], list[int]], speculative="ngram") -> MetricsSnapshot:
@@ -164,7 +160,7 @@ def recorder_snapshot(*spec: tuple[list[int], list[int]], speculative="ngram") -
     return rec.snapshot(EngineStats(time.time(), 0, 0, 100, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
 
 
-def test_spec_decode_counters_sum_requests_and_replicas():
+def test_spec_decode_counters_sum_requests_and_replicas(promtool):
     # request a: steps of 2 and 1 drafts, 1 then 0 accepted; b: 3, 3 and 2 drafts, 3, 2 and 1 accepted
     a, b = ([2, 1], [1, 0]), ([3, 3, 2], [3, 2, 1])
     one, two = recorder_snapshot(a, b, ([], [])), recorder_snapshot(a)
@@ -182,7 +178,7 @@ def test_spec_decode_counters_sum_requests_and_replicas():
     assert model["speculative"] == "ngram"
     assert model["spec_decode"] == {"num_drafts": 7, "num_draft_tokens": 14, "num_accepted_tokens": 8,
                                     "num_emitted_tokens": 15, "drafted_per_pos": [7, 5, 2], "accepted_per_pos": [5, 2, 1]}
-    assert metrics_problems(render_prometheus([one, two])) == []
+    assert promtool(render_prometheus([one, two])) == []
 
 
 def test_spec_decode_counters_are_zero_without_speculation():

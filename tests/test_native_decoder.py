@@ -12,7 +12,7 @@ from models.loader import load_for_serving, serving_dtype
 from models.rope import rope_cos_sin
 from server.engine.native_decoder import NativeDecoder, unsupported
 
-pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
+pytestmark = [pytest.mark.kernel, pytest.mark.tiles]  # make test-isa runs this file again under the AVX2 cap, on the portable build and on emulated AMX tiles
 
 BLOCK = 4
 # two prompts prefilled together; then both decode while a third prompt's first chunk prefills

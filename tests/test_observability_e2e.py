@@ -3,7 +3,6 @@ forms. Scraped and parsed, checked by promtool, scraped again by a real Promethe
 the built-in dashboard in headless Chromium."""
 import json
 import math
-import shutil
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +13,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.servers import free_port
-from tests.promtool import metrics_problems
 
 MODELS = {"tiny-gqa": 2, "tiny-mha": 4, "tiny-mqa": 1}  # served name -> kv heads
 BLOCK_SIZE = 4
@@ -131,21 +129,21 @@ def test_weight_bytes_gauge_per_model(serve_url, traffic):
         assert labels["kv_heads"] == str(MODELS[model]) and labels["kv_cache_dtype"] == "float32"
 
 
-def test_promtool_check_metrics(serve_url, traffic):
+def test_promtool_check_metrics(serve_url, traffic, promtool):
     text = httpx.get(f"{serve_url}/metrics").content
-    assert metrics_problems(text) == []
+    assert promtool(text) == []
 
 
-def test_real_prometheus_scrapes_and_answers_promql(serve_url, traffic, tmp_path):
+def test_real_prometheus_scrapes_and_answers_promql(serve_url, traffic, tmp_path, prometheus, promtool):
     _, after, _, _ = traffic
     target = serve_url.removeprefix("http://")
     port = free_port()
     cfg = (Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "prometheus.yml").read_text()
     cfg = cfg.replace("scrape_interval: 5s", "scrape_interval: 1s").replace("127.0.0.1:8000", target)
     (tmp_path / "prometheus.yml").write_text(cfg)
-    check = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True)
+    check = subprocess.run([promtool.path, "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True)
     assert check.returncode == 0, check.stdout + check.stderr
-    proc = subprocess.Popen([shutil.which("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+    proc = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
                              f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -170,16 +168,7 @@ def test_real_prometheus_scrapes_and_answers_promql(serve_url, traffic, tmp_path
         proc.wait(timeout=30)
 
 
-def chromium(*args: str) -> subprocess.CompletedProcess:
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert exe, "chromium missing: `make test` installs Debian's chromium package"
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--virtual-time-budget=8000", "--window-size=1280,1400"]
-    return subprocess.run([exe, *flags, *args], capture_output=True, text=True, timeout=120)
-
-
-def test_dashboard_draws_every_model_in_headless_chromium(serve_url, traffic, tmp_path):
+def test_dashboard_draws_every_model_in_headless_chromium(serve_url, traffic, tmp_path, chromium):
     res = chromium(f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", f"{serve_url}/dashboard")
     assert res.returncode == 0, res.stderr[-2000:]
     dom = res.stdout
@@ -207,7 +196,7 @@ def test_dashboard_draws_every_model_in_headless_chromium(serve_url, traffic, tm
     assert res.returncode == 0 and shot.stat().st_size > 10_000
 
 
-def test_attention_heatmap_page_in_headless_chromium(serve_url, tmp_path):
+def test_attention_heatmap_page_in_headless_chromium(serve_url, tmp_path, chromium):
     """The page asks /v1/attention and draws the chosen layer and head with the tokens on both axes."""
     import re
     from urllib.parse import quote

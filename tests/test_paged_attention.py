@@ -16,7 +16,7 @@ from models.attention import AttentionVariant, reference_attention
 from server.engine.config import parse_size
 from tests.reference import hf_greedy, load_hf
 
-pytestmark = pytest.mark.kernel  # make test-isa runs this file again under the AVX2 cap and on the portable build
+pytestmark = [pytest.mark.kernel, pytest.mark.tiles]  # make test-isa runs this file again under the AVX2 cap, on the portable build and on emulated AMX tiles
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -168,6 +168,7 @@ def test_native_kernel_is_the_cpu_backend_here():
     assert ops.CPU_BACKEND == f"native-{machine_isa()}"
 
 
+@pytest.mark.fallback
 def test_without_a_compiler_the_engine_serves_on_fallbacks_with_warnings(tmp_path, tiny_checkpoints):
     """No C++ compiler: attention takes the gather + SDPA path and the model step runs eagerly
     (inductor needs a compiler too); both say so, and greedy tokens are unchanged."""

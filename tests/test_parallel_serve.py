@@ -47,6 +47,12 @@ def workers(url: str) -> list[dict]:
 
 
 def test_tensor_parallel_replica_streams_the_unsharded_tokens(tp_url, tiny_variants):
+    """A one-model app is one deployment (no ingress): its replica serves HTTP itself, with the app's key,
+    routes and /metrics, and streams the tokens of the unsharded model."""
+    from ray import serve
+
+    assert set(serve.status().applications[APP].deployments) == {"model-chaos"}
+    assert httpx.get(f"{tp_url}/v1/models", timeout=30).status_code == 401
     engine = LLMEngine(EngineConfig(model=str(tiny_variants["tiny-gqa"]), dtype="float32", block_size=4,
                                     num_blocks=256, kv_cache_memory=None, enforce_eager=True))
     prompt = "Beautiful is better than"
@@ -62,6 +68,7 @@ def test_tensor_parallel_replica_streams_the_unsharded_tokens(tp_url, tiny_varia
     assert sum(w["num_kv_heads"] for w in ranks) == 2  # the tiny GQA model's 2 K/V heads, one per rank
     (model,) = httpx.get(f"{tp_url}/dashboard/data", timeout=30).json()["models"]
     assert sorted(w["rank"] for w in model["workers"]) == [0, 1] and model["tensor_parallel_size"] == 2
+    assert "attnserve_requests_total" in httpx.get(f"{tp_url}/metrics", timeout=30).text
 
 
 def test_worker_killed_under_load_fails_streams_and_the_group_restarts(tp_url):

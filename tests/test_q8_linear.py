@@ -11,7 +11,7 @@ from models.quant_formats import quantize_rtn
 from models.quant_linear import QuantEmbedding, QuantLinear
 from tests.test_quant_linear import assert_rows_alone, random_quantized
 
-pytestmark = pytest.mark.kernel
+pytestmark = [pytest.mark.kernel, pytest.mark.tiles]  # make test-isa runs this file again under the AVX2 cap, on the portable build and on emulated AMX tiles
 
 ROWS = [1, 7, 32, 300]  # decode, speculative verification, a prefill chunk
 # (bits, group, scale storage, offsets) as each format reaches the kernel (models/quant_formats.py)

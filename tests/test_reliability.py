@@ -175,7 +175,12 @@ def test_engine_process_killed_under_load_ends_every_stream_and_recovers(chaos_u
     assert_engine_killed_under_load_recovers(chaos_url, chaos_handle())
 
 
+# NOTE: exhaustive (make test-all): CI holds both of its halves elsewhere. A one-model app as one deployment whose
+# replica serves HTTP (key, routes, /metrics) and ends its streams with an error when its engine fails, then is
+# replaced: tests/test_parallel_serve.py (its TP worker killed under load); an engine process killed under load:
+# test_engine_process_killed_under_load_ends_every_stream_and_recovers above (the same EngineCoreClient)
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_one_model_app_serves_http_from_its_model_replica(chaos_url, serve_url, tiny_variants):
     """Without separate_ingress a one-model app is one deployment whose replicas serve HTTP; the
     engine-kill path holds there too."""

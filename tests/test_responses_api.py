@@ -426,10 +426,10 @@ def test_stored_responses_are_shared_by_every_api_process(serve_url):
     import ray
     from ray import serve
 
-    from server.deployment import HUB_NAMESPACE, RayModelClient, RayStore, store_name
+    from server.deployment import STATE_NAMESPACE, RayModelClient, RayStore, state_name
     from tests.conftest import TINY_APP
 
-    actor = ray.get_actor(store_name(TINY_APP), namespace=HUB_NAMESPACE)
+    actor = ray.get_actor(state_name(TINY_APP), namespace=STATE_NAMESPACE)
     here = create_app(OpenAIApi({"tiny-gqa": RayModelClient(serve.get_deployment_handle("model-tiny-gqa", TINY_APP))}),
                       responses_store=RayStore(actor))
     ingress = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="x", max_retries=0)

@@ -14,9 +14,9 @@ PREFIX = list(range(200, 240))  # 10 blocks of 4 tokens
 def snapshots() -> list:
     import ray
 
-    from server.deployment import HUB_NAMESPACE, hub_name
+    from server.deployment import STATE_NAMESPACE, state_name
 
-    return ray.get(ray.get_actor(hub_name(APP), namespace=HUB_NAMESPACE).collect.remote())
+    return ray.get(ray.get_actor(state_name(APP), namespace=STATE_NAMESPACE).collect.remote())
 
 
 def settled_snapshots(expect_requests: int) -> list:

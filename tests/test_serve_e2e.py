@@ -246,7 +246,17 @@ def test_cli_serve_joins_an_existing_cluster(serve_url, tiny_variants):
     assert proc.returncode == 0, out
     from ray import serve
 
-    assert "joined" not in serve.status().applications  # only our application was removed...
+    from server.deployment import STATE_NAMESPACE, state_name
+
+    assert "joined" not in serve.status().applications  # only our application was removed, with its state...
+    for _ in range(50):
+        try:
+            ray.get_actor(state_name("joined"), namespace=STATE_NAMESPACE)
+        except ValueError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the joined application's AppState actor outlived it")
     assert httpx.get(f"{serve_url}/health").status_code == 200  # ...the cluster and other apps live on
 
 

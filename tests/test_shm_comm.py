@@ -176,6 +176,7 @@ def _no_compiler(rank: int, world: int) -> None:
     assert "no C++ compiler" in str(warning.call_args)
 
 
+@pytest.mark.fallback
 def test_without_a_compiler_every_rank_keeps_gloo(tmp_path):
     run_ranks(_no_compiler, 2, tmp_path)
 

@@ -5,7 +5,6 @@ Ray Serve app after completions and chat traffic."""
 import json
 import math
 import re
-import shutil
 import subprocess
 import time
 from collections import Counter
@@ -23,7 +22,6 @@ from server.metrics import MetricsRecorder
 from server.prometheus import render_prometheus
 from server.vllm_metrics import HISTOGRAMS
 from server.wire import EngineStats, ModelInfo, RequestStats
-from tests.promtool import metrics_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "vllm.json"
@@ -140,10 +138,10 @@ def recorded(max_model_len: int = 256) -> MetricsRecorder:
 
 
 @pytest.mark.parametrize("max_model_len", [256, 500, 2048])
-def test_kinds_labels_and_buckets_are_vllms(max_model_len):
+def test_kinds_labels_and_buckets_are_vllms(max_model_len, promtool):
     text = render_prometheus([recorded(max_model_len).snapshot(engine_stats(used=10))]).decode()
     check_kinds_labels_and_buckets(text, "m", max_model_len)
-    assert metrics_problems(text.encode()) == []
+    assert promtool(text.encode()) == []
 
 
 @pytest.mark.parametrize("max_model_len", [256, 500, 2048, 131072])
@@ -220,13 +218,13 @@ WINDOW = "5m"  # $__rate_interval: the whole of this module's Prometheus
 
 
 @contextmanager
-def running_prometheus(target: str, tmp_path: Path):
+def running_prometheus(prometheus: str, target: str, tmp_path: Path):
     """A Prometheus scraping `target` every second (deploy/prometheus/prometheus.yml); yields its URL."""
     port = free_port()
     cfg = (ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text()
     (tmp_path / "prometheus.yml").write_text(cfg.replace("scrape_interval: 5s", "scrape_interval: 1s")
                                              .replace("127.0.0.1:8000", target))
-    proc = subprocess.Popen([shutil.which("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+    proc = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
                              f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -264,9 +262,9 @@ def wait_for(prom: str, query: str, ok, timeout: float = 60) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def prom(serve_url, tmp_path_factory):
+def prom(serve_url, tmp_path_factory, prometheus):
     """Prometheus, started before the traffic so that its rates see the traffic arrive."""
-    with running_prometheus(serve_url.removeprefix("http://"), tmp_path_factory.mktemp("prom")) as url:
+    with running_prometheus(prometheus, serve_url.removeprefix("http://"), tmp_path_factory.mktemp("prom")) as url:
         wait_for(url, f'vllm:num_requests_running{{model_name="{MODEL}"}}', lambda rows: len(rows) == 1)
         yield url
 

@@ -11,6 +11,7 @@ import torch
 
 from kvcache.storage import PagedKVCache
 from models.lora import LoraSlots
+from models.native.toolchain import compiler_version
 from models.transformer import DecoderLM
 from server.engine.compilation import compile_model
 from server.engine.native_decoder import NativeDecoder, unsupported
@@ -35,6 +36,11 @@ def choose_step(model: DecoderLM, cache: PagedKVCache, compile: bool, native: bo
     if reason is None:
         return Step(NativeDecoder(model, lora_slots), "native", time.perf_counter() - start)
     if not compile:
+        return Step(model, "eager", 0.0)
+    try:
+        compiler_version()
+    except RuntimeError as e:  # NOTE: asked first: without a compiler inductor fails only after tracing (~5 s)
+        logger.warning("torch.compile of the %s step needs a C++ compiler (%s); running it eagerly", who, e)
         return Step(model, "eager", 0.0)
     logger.info("%s step: compiled (the native decoder: %s)", who, reason)
     try:
