@@ -62,8 +62,10 @@ def pids_with(text: str, name: str = "") -> list[int]:
 
 
 def replicas_by_node(url: str) -> dict[str, list[str]]:
-    (model,) = httpx.get(f"{url}/dashboard/data", timeout=30).json()["models"]
-    return model["replicas_by_node"]
+    """{} until a replica's first report reaches the application's state (they push it as they start)."""
+    models = httpx.get(f"{url}/dashboard/data", timeout=30).json()["models"]
+    assert len(models) <= 1, models
+    return models[0]["replicas_by_node"] if models else {}
 
 
 def wait_for(predicate, timeout: float, what: str):
