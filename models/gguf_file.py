@@ -65,7 +65,8 @@ class GGUFReader(gguf.GGUFReader):
 
     NOTE: each np.memmap slice pays its __array_finalize__ (~4 us), and the stock reader makes three
     per string of the tokenizer's arrays: 2.7 s of every start of the default model (98k strings),
-    0.7 s this way (Zen 4). Same fields and tensors (tests/test_gguf_variants.py), views of the same map."""
+    0.7 s this way (Zen 4). Same fields and tensors (tests/test_default_model.py
+    test_our_gguf_reader_reads_what_gguf_py_reads), views of the same map."""
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
         plain = self.__dict__.get("_plain")
