@@ -27,11 +27,12 @@ class UnsafeWeightsError(ValueError):
 
 def _lazy_safetensors(files: list[Path]) -> LazyTensors:
 
-    readers = {}
+    readers, shapes = {}, {}
     for f in files:
         handle = safe_open(str(f), framework="pt")
         readers.update({name: partial(handle.get_tensor, name) for name in handle.keys()})
-    return LazyTensors(readers)
+        shapes.update({name: (tuple(handle.get_slice(name).get_shape()), None) for name in handle.keys()})
+    return LazyTensors(readers, shapes)
 
 
 def _refuse_pickle(path: Path) -> None:
@@ -62,7 +63,8 @@ def _causal_lm_names(config: dict[str, Any], tensors: Mapping[str, Any]) -> Mapp
         return None
     renamed = {name if name.startswith("lm_head.") else prefix + name: name for name in tensors}
     if isinstance(tensors, LazyTensors):
-        return LazyTensors({new: tensors.readers[old] for new, old in renamed.items()})
+        return LazyTensors({new: tensors.readers[old] for new, old in renamed.items()},
+                           {new: tensors.shapes[old] for new, old in renamed.items() if old in tensors.shapes})
     return {new: tensors[old] for new, old in renamed.items()}
 
 

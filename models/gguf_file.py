@@ -15,7 +15,8 @@ import torch
 from tqdm import tqdm
 
 from models.hf_checkpoint import HFCheckpoint, LazyTensors
-from models.quant_formats import SUPPORTED_GGUF_TYPES, from_gguf
+from models.native.memory import drop_mapped_pages
+from models.quant_formats import SUPPORTED_GGUF_TYPES, GGUFRows
 
 # GGUF architecture -> (HF model_type, HF class)
 _ARCHITECTURES = {
@@ -284,6 +285,7 @@ def read_gguf(path: Path, keep_quantized: bool = False, lazy: bool = False) -> H
         raise ValueError("GGUF files with rope_freqs (llama3 RoPE scaling) are not supported")
     names = {t.name for t in reader.tensors}
     readers: dict = {}
+    shapes: dict = {}
     for t in reader.tensors:
         if t.name in _ROPE_FACTORS:
             continue  # in the config's rope_parameters
@@ -291,9 +293,13 @@ def read_gguf(path: Path, keep_quantized: bool = False, lazy: bool = False) -> H
             targets = _targets(t.name, arch, config, names)
         except ValueError as e:
             raise ValueError(f"{e} in {path}") from None
+        shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims innermost first
+        kept = keep_quantized and t.tensor_type in SUPPORTED_GGUF_TYPES and len(shape) == 2
         for name, rows, heads in targets:
-            readers[name] = functools.partial(_decode, t, arch, rows, heads, keep_quantized)
-    tensors = LazyTensors(readers) if lazy else {
+            readers[name] = functools.partial(_decode, t, arch, rows, heads, keep_quantized, lazy)
+            part = shape if rows is None else [len(range(*rows.indices(shape[0]))), *shape[1:]]
+            shapes[name] = (tuple(part), t.tensor_type if kept else None)
+    tensors = LazyTensors(readers, shapes) if lazy else {
         name: read() for name, read in tqdm(readers.items(), desc=f"reading {path.name}", unit="tensor", leave=False)}
     # the dtype `--dtype auto` starts from: a file of quantized or 16-bit matrices is a 16-bit model
     wide = any(t.tensor_type == gguf.GGMLQuantizationType.F32 and len(t.shape) == 2 for t in reader.tensors)
@@ -301,14 +307,22 @@ def read_gguf(path: Path, keep_quantized: bool = False, lazy: bool = False) -> H
     return HFCheckpoint(config=config, tensors=tensors, source=path)
 
 
-def _decode(t: Any, arch: str, rows: Any, heads: int | None, keep_quantized: bool) -> Any:
-    """One target of GGUF tensor `t`: its rows (a fused matrix's part), un-permuted for `heads`."""
-
+def _decode(t: Any, arch: str, rows: Any, heads: int | None, keep_quantized: bool, lazy: bool) -> Any:
+    """One target of GGUF tensor `t`: its rows (a fused matrix's part), un-permuted for `heads`. `lazy`: a
+    quantized matrix is read a chunk of rows at a time by whoever takes it (GGUFRows)."""
     shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims innermost first
     if keep_quantized and t.tensor_type in SUPPORTED_GGUF_TYPES and len(shape) == 2:
         data = t.data if rows is None else t.data[rows]  # NOTE: rows are whole runs of blocks: decode only them
-        q = from_gguf(data, t.tensor_type, (len(data), shape[1]) if rows is not None else tuple(shape))
-        return q if heads is None else q.select_rows(_unpermute_rows(q.shape[0], heads))
+        order = None if heads is None else _unpermute_rows(len(data), heads)
+        source = GGUFRows(data, t.tensor_type, shape[1], order)
+        return source if lazy else source.materialize()
+    try:
+        return _dequantize(t, arch, rows, heads, shape)
+    finally:
+        drop_mapped_pages(t.data)
+
+
+def _dequantize(t: Any, arch: str, rows: Any, heads: int | None, shape: list[int]) -> torch.Tensor:
     w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
     if arch in _GEMMA and t.name.endswith("norm.weight"):
         w = w - np.float32(1)  # the converter stored HF's Gemma norm + 1

@@ -21,10 +21,13 @@ class HFCheckpoint:
 
 class LazyTensors(Mapping):
     """Tensors read from their file when looked up, each time: a tensor-parallel rank cuts its part
-    from one matrix at a time and never holds the whole model (models/weights.py)."""
+    from one matrix at a time and never holds the whole model (models/weights.py). `shapes`: each one's
+    (shape, GGUF type where it stays quantized, else None), known without reading it."""
 
-    def __init__(self, readers: dict[str, Callable[[], Any]]) -> None:
+    def __init__(self, readers: dict[str, Callable[[], Any]],
+                 shapes: dict[str, tuple[tuple[int, ...], Any]] | None = None) -> None:
         self.readers = readers
+        self.shapes = shapes or {}
 
     def __getitem__(self, name: str) -> Any:
         return self.readers[name]()

@@ -1,9 +1,10 @@
 """Build a DecoderLM (and its tokenizer) from a checkpoint directory or a GGUF file."""
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -16,8 +17,8 @@ from models.native.cpu_path import QUANTIZATIONS, int8_code_bits, resolve_dtype
 from models.native.memory import release_freed_memory
 from models.native.probe import detect
 from models.parallel import shard_config, split
-from models.quant_formats import QuantizedTensor, quantize_rtn
-from models.quant_linear import QuantEmbedding, QuantLinear, move_to_huge_pages
+from models.quant_formats import QuantizedTensor, is_quantized, packed_bytes, quantize_rtn, rtn_bytes
+from models.quant_linear import PACK_WEIGHTS, QuantEmbedding, QuantLinear, linear_mode
 from models.registry import stored_gguf
 from models.transformer import DecoderLM
 from models.weights import hf_to_internal
@@ -45,15 +46,11 @@ def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32
 
     full = config_from_hf(ckpt.config, ckpt.generation_config)
     cfg = full if shard is None else shard_config(full, shard)
+    packer = _Packer(dtype, device, quantization, int8_bits, cfg.tie_word_embeddings)
     # NOTE: a rank of a sharded model generates (embeddings are not served in parallel): it needs an LM head
-    tensors = hf_to_internal(full, ckpt.tensors, shard, lm_head_optional=ckpt.base_model and shard is None)
-    if cfg.tie_word_embeddings and "embed.weight" in tensors and "lm_head.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["embed.weight"]  # NOTE: one rank's rows of both: held once
-    if quantization != "none":
-        for name, t in tensors.items():
-            if name.startswith("layers.") and name.endswith("_proj.weight") and not isinstance(t, QuantizedTensor):
-                tensors[name] = quantize_rtn(t.float(), _fitting_scheme(quantization, t.shape[1]))
-    quantized = {k: tensors.pop(k) for k in list(tensors) if isinstance(tensors[k], QuantizedTensor)}
+    tensors = hf_to_internal(full, ckpt.tensors, shard, lm_head_optional=ckpt.base_model and shard is None,
+                             convert=packer)
+    quantized = {k: tensors.pop(k) for k in list(tensors) if isinstance(tensors[k], (QuantLinear, QuantizedTensor))}
     state = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
     with _skeleton():
         if shard is None:
@@ -69,10 +66,7 @@ def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32
     if model.lm_head is not None and "lm_head.weight" not in state and "lm_head.weight" not in quantized:
         model.lm_head = None  # a base model's checkpoint without one: hidden states (embeddings) only
     for name, weight in quantized.items():
-        activations = "int8" if weight.bits in int8_bits else "exact"
-        _install_quantized(model, name.removesuffix(".weight"), weight, state, dtype, device, activations)
-    _share_tied_table(model, quantized, dtype)
-    move_to_huge_pages(model)
+        _install_quantized(model, name.removesuffix(".weight"), weight, state, dtype, device)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     # NOTE: a quantized module's bias came in with its codes; nothing else may be left out
     missing = [k for k in missing if k.removesuffix(".bias") + ".weight" not in quantized]
@@ -85,6 +79,37 @@ def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32
     model.quantization = "+".join(sorted({k for w in quantized.values() for k in w.kind.split("+")})) or "none"
     model.set_rope_frequencies(device)
     return model.eval().requires_grad_(False)
+
+
+class _Packer:
+    """hf_to_internal's `convert`: each quantized matrix (a GGUF's, or one quantized here) becomes its
+    QuantLinear as it arrives, in huge pages, so that loading holds the packed weights read so far and one
+    chunk of one matrix unpacked (models/quant_linear.py pack_by_rows), never the whole model twice. Linears whose codes have `int8_bits` bits take int8
+    activations, the rest exact ones (models/quant_linear.py)."""
+
+    def __init__(self, dtype: torch.dtype, device: str, quantization: str, int8_bits: frozenset[int],
+                 tied: bool) -> None:
+        self.dtype, self.device, self.quantization, self.int8_bits, self.tied = dtype, device, quantization, int8_bits, tied
+        self.table: QuantLinear | QuantizedTensor | None = None  # the embedding table, as converted
+
+    def __call__(self, name: str, t):
+        if self.quantization != "none" and name.startswith("layers.") and name.endswith("_proj.weight") \
+                and not is_quantized(t):
+            t = quantize_rtn(t.float(), _fitting_scheme(self.quantization, t.shape[1]))
+        if not is_quantized(t):
+            return t
+        if name == "lm_head.weight" and self.tied and self.table is not None:
+            return self.table  # NOTE: one rank's rows of both: held once
+        if name == "embed.weight" and linear_mode(t, torch.device(self.device)) != "packed":
+            self.table = t.materialize()  # rows gathered from the codes (QuantEmbedding); a tied head packs its own
+            return self.table
+        activations = "int8" if t.bits in self.int8_bits else "exact"
+        linear = QuantLinear(t, None, self.dtype, self.device, activations)  # packed in huge pages, by rows
+        if math.prod(t.shape) > PACK_WEIGHTS:  # NOTE: glibc keeps the chunks' pages otherwise (a 1B model: 310 MB)
+            release_freed_memory()
+        if name == "embed.weight":
+            self.table = linear
+        return linear
 
 
 def _local_layer(name: str, first: int) -> str:
@@ -126,25 +151,23 @@ def _fitting_scheme(scheme: str, in_features: int) -> str:
     return "int4_g64" if in_features % 64 == 0 else "int4_g32"
 
 
-def _install_quantized(model: DecoderLM, module_name: str, weight, state: dict, dtype: torch.dtype,
-                       device: str, activations: str) -> None:
-
+def _install_quantized(model: DecoderLM, module_name: str, weight: QuantLinear | QuantizedTensor, state: dict,
+                       dtype: torch.dtype, device: str) -> None:
+    """A packed table (a GGUF's token_embd, tied or not) is read by rows out of its QuantLinear's panels
+    (QuantEmbedding.tied), so it is held once, as the head's codes where they are tied."""
     parent_name, _, child = module_name.rpartition(".")
     parent = model.get_submodule(parent_name)
     if isinstance(getattr(parent, child), nn.Embedding):
-        setattr(parent, child, QuantEmbedding(weight, dtype, device))
-    else:
-        setattr(parent, child, QuantLinear(weight, state.pop(module_name + ".bias", None), dtype, device, activations))
-
-
-def _share_tied_table(model: DecoderLM, quantized: dict, dtype: torch.dtype) -> None:
-    """A tied GGUF table (embed and lm_head one QuantizedTensor): the embedding reads the packed
-    head's panels, so the codes are held once."""
-
-    table = quantized.get("embed.weight")
-    if table is None or quantized.get("lm_head.weight") is not table or model.lm_head.mode != "packed":
+        table = QuantEmbedding.tied(weight, dtype) if isinstance(weight, QuantLinear) else \
+            QuantEmbedding(weight, dtype, device)
+        setattr(parent, child, table)
         return
-    model.embed = QuantEmbedding.tied(model.lm_head, dtype)
+    if isinstance(weight, QuantizedTensor):  # a table that cannot be packed here, tied to this head
+        weight = QuantLinear(weight, None, dtype, device, "exact")
+    bias = state.pop(module_name + ".bias", None)
+    if bias is not None:
+        weight.bias = nn.Parameter(bias.to(device, dtype), requires_grad=False)
+    setattr(parent, child, weight)
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, device: str = "cpu") -> DecoderLM:
@@ -173,23 +196,51 @@ def serving_dtype(path: str | Path, dtype: str = "auto", device: str = "cpu") ->
     return resolve_dtype(detect(device), dtype, checkpoint_dtype(read_checkpoint(path)), device)
 
 
+def estimate_weight_bytes(ckpt: HFCheckpoint, dtype: torch.dtype, quantization: str = "none") -> int | None:
+    """The weights' bytes as served, from a lazy checkpoint's shapes alone (nothing read); None where they are
+    not known. GGUF matrices kept quantized as packed (packed_bytes: an upper bound, but for a fused matrix of
+    mixed types, which takes its widest part's form); the rest in the compute dtype, or as `quantization`
+    packs the layers' matrices."""
+    shapes = getattr(ckpt.tensors, "shapes", None)
+    if not shapes:
+        return None
+    total = 0
+    for name, (shape, kind) in shapes.items():
+        numel = math.prod(shape)
+        if kind is not None:
+            total += packed_bytes(kind, numel)
+        elif name.endswith(("embed_tokens.weight", "wte.weight")) and ckpt.config.get("tie_word_embeddings"):
+            total += 2 * numel * dtype.itemsize  # NOTE: a CPU path packs the tied head's copy for its matmuls
+        elif quantization != "none" and len(shape) == 2 and ".layers." in f".{name}" and "norm" not in name:
+            total += rtn_bytes(_fitting_scheme(quantization, shape[1]), *shape)
+        else:
+            total += numel * dtype.itemsize
+    return total
+
+
 def load_for_serving(path: str | Path, dtype: str = "auto", device: str = "cpu",
-                     quantization: str = "auto", shard=None, activations: str = "auto") -> DecoderLM:
+                     quantization: str = "auto", shard=None, activations: str = "auto",
+                     fits: Callable[[int], None] | None = None) -> DecoderLM:
     """A model ready to serve here: in the dtype its CPU path computes in, with that path's
     linears swapped in (`model.cpu_path` says which; models/native/cpu_path.py chooses) and its weights
     quantized as asked (`model.quantization`, `model.weight_bytes()`), their activations as asked (auto:
-    models/native/cpu_path.py `int8_code_bits`). With a `shard`, that rank's
-    part, read tensor by tensor (its collectives are joined in by models.parallel.parallelize)."""
+    models/native/cpu_path.py `int8_code_bits`). Read tensor by tensor, each packed as it comes
+    (_Packer); with a `shard`, that rank's part (its collectives are joined in by models.parallel.parallelize).
+    `fits(bytes)`: called with the weights' estimated bytes before any is read; it raises where they cannot fit."""
 
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
     keep = quantization == "auto"  # a GGUF as stored; a model converted from one reads that file again
-    ckpt = read_checkpoint((keep and stored_gguf(path)) or path, keep_quantized=keep, lazy=shard is not None)
+    ckpt = read_checkpoint((keep and stored_gguf(path)) or path, keep_quantized=keep, lazy=True)
     caps = detect(device)
     source = checkpoint_dtype(ckpt)
-    model = model_from_checkpoint(ckpt, parse_dtype(resolve_dtype(caps, dtype, source, device)), device,
-                                  "none" if quantization in ("auto", "none") else quantization, shard,
-                                  int8_code_bits(caps, activations))
+    compute = parse_dtype(resolve_dtype(caps, dtype, source, device))
+    rtn = "none" if quantization in ("auto", "none") else quantization
+    estimate = estimate_weight_bytes(ckpt, compute, rtn)
+    if fits is not None and estimate is not None and shard is None:
+        fits(estimate)
+    model = model_from_checkpoint(ckpt, compute, device,
+                                  rtn, shard, int8_code_bits(caps, activations))
     prepare(model, caps, dtype, source, device, activations)
     del ckpt
     release_freed_memory()

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from models.native.memory import drop_mapped_pages
+
 T = GGMLQuantizationType
 
 
@@ -64,6 +66,18 @@ class QuantizedTensor:
     def select_rows(self, index: torch.Tensor) -> QuantizedTensor:
         offset = None if self.offset is None else self.offset[index]
         return dataclasses.replace(self, q=self.q[index], scale=self.scale[index], offset=offset)
+
+    @property
+    def has_offset(self) -> bool:
+        return self.offset is not None
+
+    def rows(self, start: int, stop: int) -> QuantizedTensor:
+        """Rows start..stop (views): what a packer reads a chunk at a time (RowSource)."""
+        offset = None if self.offset is None else self.offset[start:stop]
+        return dataclasses.replace(self, q=self.q[start:stop], scale=self.scale[start:stop], offset=offset)
+
+    def materialize(self) -> QuantizedTensor:
+        return self
 
 
 # --- GGUF -----------------------------------------------------------------------------------------------
@@ -154,6 +168,7 @@ _DECODERS = {
     T.Q5_1: (_q5_1, 8, 32), T.Q4_K: (_q4_k, 4, 32), T.Q5_K: (_q5_k, 8, 32), T.Q6_K: (_q6_k, 8, 16),
 }  # type -> (decoder, bits, group_size)
 SUPPORTED_GGUF_TYPES = frozenset(_DECODERS)
+_OFFSET_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K})  # decoders that give offsets
 
 
 def from_gguf(data: np.ndarray, tensor_type: GGMLQuantizationType, shape: tuple[int, int]) -> QuantizedTensor:
@@ -175,17 +190,101 @@ def from_gguf(data: np.ndarray, tensor_type: GGMLQuantizationType, shape: tuple[
                            tensor_type.name)
 
 
+class GGUFRows:
+    """A GGUF matrix decoded a chunk of rows at a time (a RowSource): the loader packs it chunk by chunk, so
+    the whole matrix is never held as int8 codes. `data`: its (N, bytes per row) blocks (a view of the file's
+    memory map); `order`: which stored row each row is (an un-permutation), or None."""
+
+    def __init__(self, data: np.ndarray, tensor_type: GGMLQuantizationType, k: int,
+                 order: torch.Tensor | None = None) -> None:
+        self.data, self.tensor_type, self.order = data, T(tensor_type), order
+        if self.tensor_type not in _DECODERS:
+            from_gguf(data[:0], tensor_type, (0, k))  # raises: not supported
+        _, self.bits, self.group_size = _DECODERS[self.tensor_type]
+        self.shape = (len(data), k)
+        self.kind = self.tensor_type.name
+        self.has_offset = self.tensor_type in _OFFSET_TYPES
+
+    def rows(self, start: int, stop: int) -> QuantizedTensor:
+        if self.order is None:
+            data = self.data[start:stop]
+            decoded = from_gguf(data, self.tensor_type, (stop - start, self.shape[1]))
+        else:
+            stored = self.order[start:stop].numpy()
+            decoded = from_gguf(self.data[stored], self.tensor_type, (stop - start, self.shape[1]))
+            data = self.data[stored.min():stored.max() + 1]
+        drop_mapped_pages(data)
+        return decoded
+
+    def materialize(self) -> QuantizedTensor:
+        return self.rows(0, self.shape[0])
+
+
+class RowStack:
+    """RowSources stacked along N (a fused qkv / gate_up of GGUF parts), read a chunk of rows at a time in
+    the form concat_rows gives the whole."""
+
+    def __init__(self, parts: list) -> None:
+        if not parts or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError(f"a row stack needs parts with one K; got shapes {[p.shape for p in parts]}")
+        self.parts = parts
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        self.bits, self.group_size, self.has_offset, self.kind = _stacked_format(parts)
+
+    def rows(self, start: int, stop: int) -> QuantizedTensor:
+        pieces, first = [], 0
+        for p in self.parts:
+            lo, hi = max(start, first), min(stop, first + p.shape[0])
+            if lo < hi:
+                pieces.append(p.rows(lo - first, hi - first))
+            first += p.shape[0]
+        return concat_rows(pieces, like=self)
+
+    def materialize(self) -> QuantizedTensor:
+        return self.rows(0, self.shape[0])
+
+
+def packed_bytes(tensor_type: GGMLQuantizationType, numel: int) -> int:
+    """Bytes a GGUF matrix of `numel` weights takes as the kernels hold it: its codes, and fp32 group scales
+    (and offsets): an upper bound, as packing keeps fp16 where that is exact."""
+    _, bits, group = _DECODERS[T(tensor_type)]
+    return numel * bits // 8 + numel // group * 4 * (2 if T(tensor_type) in _OFFSET_TYPES else 1)
+
+
+def rtn_bytes(scheme: str, n: int, k: int) -> int:
+    """Bytes quantize_rtn's form of an (n, k) weight takes packed: int8 codes and a scale per row, or 4-bit
+    codes with a scale and an offset per group."""
+    if scheme == "int8":
+        return n * k + 4 * n
+    return n * k // 2 + n * k // _INT4_GROUPS[scheme] * 8
+
+
+def is_quantized(t) -> bool:
+    """A quantized matrix, in memory (QuantizedTensor) or read by rows (GGUFRows, RowStack): a RowSource."""
+    return isinstance(t, (QuantizedTensor, GGUFRows, RowStack))
+
+
 # --- combining and quantizing ------------------------------------------------------------------------------
 
 
-def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
-    """Stack along N (fused qkv / gate_up) losslessly: the widest bits, the smallest group (scales repeated)."""
-    if not parts or len({p.shape[1] for p in parts}) != 1:
-        raise ValueError(f"concat_rows needs parts with one K; got shapes {[p.shape for p in parts]}")
-    k = parts[0].shape[1]
+def _stacked_format(parts) -> tuple[int, int, bool, str]:
+    """(bits, group size, has offsets, kind) of parts stacked losslessly: the widest bits, the smallest group."""
     group = min(p.group_size for p in parts)
     if any(p.group_size % group for p in parts):
         raise ValueError(f"group sizes {[p.group_size for p in parts]} are not multiples of {group}")
+    kinds = [p.kind for p in parts]
+    return (max(p.bits for p in parts), group, any(p.has_offset for p in parts),
+            kinds[0] if len(set(kinds)) == 1 else "+".join(kinds))
+
+
+def concat_rows(parts: list[QuantizedTensor], like=None) -> QuantizedTensor:
+    """Stack along N (fused qkv / gate_up) losslessly: the widest bits, the smallest group (scales repeated).
+    `like`: the format of a larger stack these parts are rows of (RowStack), else their own."""
+    if not parts or len({p.shape[1] for p in parts}) != 1:
+        raise ValueError(f"concat_rows needs parts with one K; got shapes {[p.shape for p in parts]}")
+    k = parts[0].shape[1]
+    bits, group, has_offset, kind = _stacked_format(parts) if like is None else \
+        (like.bits, like.group_size, like.has_offset, like.kind)
 
     def regroup(t: torch.Tensor, p: QuantizedTensor) -> torch.Tensor:
         return t.repeat_interleave(p.group_size // group, dim=1)  # (N_p, K / group)
@@ -196,15 +295,13 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
             return torch.full((p.shape[0], k // group), -0.0, dtype=torch.float32)
         return regroup(p.offset, p)
 
-    has_offset = any(p.offset is not None for p in parts)
-    kinds = [p.kind for p in parts]
     return QuantizedTensor(
         q=torch.cat([p.q for p in parts]),
         scale=torch.cat([regroup(p.scale, p) for p in parts]),
         offset=torch.cat([offset_of(p) for p in parts]) if has_offset else None,
-        bits=max(p.bits for p in parts),
+        bits=bits,
         group_size=group,
-        kind=kinds[0] if len(set(kinds)) == 1 else "+".join(kinds),
+        kind=kind,
     )
 
 

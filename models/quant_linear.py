@@ -10,6 +10,7 @@ dequantized once at load (the bytes are then not saved).
 """
 from __future__ import annotations
 
+import math
 import mmap
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,9 @@ from models.native.libraries import available
 from models.quant_formats import dequantize_codes
 
 if TYPE_CHECKING:
-    from models.quant_formats import QuantizedTensor
+    from models.quant_formats import GGUFRows, QuantizedTensor, RowStack
+
+    RowSource = QuantizedTensor | GGUFRows | RowStack
 
 ACTIVATIONS = ("exact", "int8")  # x as given (fp32 sums), or rounded to int8 per block (integer dot products)
 
@@ -58,23 +61,27 @@ class QuantLinear(nn.Module):
     """y = x @ dequantize(W)^T + b, W kept as codes; x and y keep x's dtype. `activations="int8"`:
     x rounded to int8 per block of 32 first, where the packed kernel takes this weight's groups."""
 
-    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None, dtype: torch.dtype,
+    def __init__(self, weight: RowSource, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: str | torch.device = "cpu", activations: str = "exact") -> None:
+        """`weight`: a QuantizedTensor, or a matrix read a chunk of rows at a time (models/quant_formats.py
+        GGUFRows, RowStack), which packing never holds whole."""
         super().__init__()
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}")
         self.out_features, self.in_features = weight.shape
         self.bits, self.group_size, self.kind = weight.bits, weight.group_size, weight.kind
         self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
-        self.mode = _mode(weight, torch.device(device))
+        self.mode = linear_mode(weight, torch.device(device))
         self.int8_activations = self.mode == "packed" and activations == "int8" and int8_packable(weight)
         if self.mode == "packed":
             pack = torch.ops.attnserve.pack_q8 if self.int8_activations else torch.ops.attnserve.pack_quant
-            codes, scales, offsets = pack(weight.q, weight.scale, weight.offset, weight.bits, weight.group_size)
+            codes, scales, offsets = pack_by_rows(weight, pack)
             self.register_buffer("codes", codes, persistent=False)  # (panels, K * W * bits / 8) uint8
-            self.register_buffer("scales", scales, persistent=False)  # (panels, groups, W) fp32
-            self.register_buffer("offsets", offsets, persistent=False)  # (panels, groups, W) fp32
-        elif self.mode == "dense":
+            self.register_buffer("scales", scales, persistent=False)  # (panels, groups, W) fp32 or fp16
+            self.register_buffer("offsets", offsets, persistent=False)  # (panels, groups, W), or (0,): none
+            return
+        weight = weight.materialize()
+        if self.mode == "dense":
             self.register_buffer("weight", weight.dequantize().to(device, dtype), persistent=False)  # (N, K)
         elif self.mode == "tinygemm":
             q = weight.q.to(torch.int32)
@@ -158,35 +165,65 @@ class QuantEmbedding(nn.Module):
         return _dequantize(self.q[ids], self.scale[ids], offset, self.group_size, self.out_dtype)  # (T, C)
 
 
-def move_to_huge_pages(model: nn.Module) -> int:
-    """Move the packed QuantLinears' tensors into one buffer that asks for 2 MiB pages; returns its bytes.
+QUAD = 4  # panels per quad (models/csrc/quant_panels.h)
+PACK_ROWS = 256  # rows per chunk: whole quads of panels at any lane count (W = 4, 8, 16)
+PACK_WEIGHTS = 1 << 20  # a chunk's weights: its decode holds ~10 bytes a weight for a moment
+
+
+def pack_by_rows(weight: RowSource, pack) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack`'s (codes, scales, offsets) of `weight`, packed a chunk of rows at a time straight into huge pages
+    (huge_page_tensors): a chunk of whole quads of panels packs to exactly its panels of the whole, so the
+    whole's codes are never held twice. Scales are fp16 where every chunk's were (each exact in fp16, the
+    rule pack applies to a whole); offsets are kept where any chunk has one."""
+    n, k = weight.shape
+    step = max(PACK_ROWS, PACK_WEIGHTS // max(k, 1) // PACK_ROWS * PACK_ROWS)
+    codes = scales = offsets = None
+    half, offset_seen, at = True, False, 0
+    for start in range(0, n, step):
+        w = weight.rows(start, min(n, start + step))
+        c, sc, of = pack(w.q, w.scale, w.offset, weight.bits, weight.group_size)
+        del w
+        if codes is None:  # NOTE: every chunk but the last is whole quads of panels: its panels are the whole's
+            lanes = step // c.shape[0] if n > step else None  # W: `step` rows pack to step / W panels
+            panels = c.shape[0] if lanes is None else -(-n // (QUAD * lanes)) * QUAD  # zero padded, as pack pads
+            [codes] = huge_page_tensors([((panels, c.shape[1]), c.dtype)])
+            scales = torch.zeros((panels, *sc.shape[1:]), dtype=torch.float32)  # (panels, groups, W)
+            offsets = torch.zeros_like(scales)
+        codes[at:at + c.shape[0]] = c
+        scales[at:at + c.shape[0]] = sc
+        if of.numel():
+            offsets[at:at + c.shape[0]] = of
+            offset_seen = True
+        half = half and sc.dtype == torch.float16 and (not of.numel() or of.dtype == torch.float16)
+        at += c.shape[0]
+    dtype = torch.float16 if half else torch.float32  # NOTE: fp16 only where pack found every chunk's exact
+    shapes = [(scales.shape, dtype)] + ([(offsets.shape, dtype)] if offset_seen else [])
+    packed = huge_page_tensors(shapes)
+    for dst, src in zip(packed, (scales, offsets)):
+        dst.copy_(src)
+    return codes, packed[0], packed[1] if offset_seen else torch.empty(0, dtype=dtype)
+
+
+def huge_page_tensors(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Empty tensors of these shapes side by side in one anonymous mapping that asks for 2 MiB pages, each
+    starting on a cache line.
 
     Measured (AVX2, 2 threads, batch-1 decode steps, three alternating runs each): the default
     model's 8.5-9.9 ms became 7.5-8.5, the Q8_0 file's 8.6-10.4 became 7.4-9.7. A decode step streams
     every code once, and with 4 KiB pages the hardware prefetchers stop at each page's end."""
-    tensors = {id(t): t for m in model.modules() if isinstance(m, QuantLinear) and m.mode == "packed"
-               for t in (m.codes, m.scales, m.offsets) if t.device.type == "cpu" and t.numel()}
-    if not tensors or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return 0
-    starts, total = {}, 0
-    for key, t in tensors.items():
-        starts[key] = total
-        total += -(-t.nbytes // 64) * 64  # NOTE: every tensor starts on a cache line
-    arena = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory gets no THP
-    try:
-        arena.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # a kernel without transparent huge pages: 4 KiB pages, as before
-        pass
-    buffer = torch.frombuffer(arena, dtype=torch.uint8)  # NOTE: holds the mapping while any view lives
-    moved = {}
-    for key, t in tensors.items():
-        view = buffer[starts[key]:starts[key] + t.nbytes].view(t.dtype).view(t.shape)
-        moved[key] = view.copy_(t)
-    for m in model.modules():  # NOTE: a tied embedding holds the LM head's tensors too: rebound alike
-        for name, t in m._buffers.items():
-            if t is not None and id(t) in moved:
-                m._buffers[name] = moved[id(t)]
-    return total
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in shapes]
+    starts = [sum(-(-b // 64) * 64 for b in sizes[:i]) for i in range(len(sizes))]
+    total = max(starts[-1] + sizes[-1], 1)
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer = torch.empty(total, dtype=torch.uint8)
+    else:
+        arena = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory gets no THP
+        try:
+            arena.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: 4 KiB pages, as before
+            pass
+        buffer = torch.frombuffer(arena, dtype=torch.uint8)  # NOTE: holds the mapping while any view lives
+    return [buffer[at:at + size].view(dtype).view(shape) for at, size, (shape, dtype) in zip(starts, sizes, shapes)]
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group_size: int,
@@ -202,7 +239,9 @@ def int8_packable(weight: QuantizedTensor) -> bool:
     return blocks and available("q8_linear")
 
 
-def _mode(weight: QuantizedTensor, device: torch.device) -> str:
+def linear_mode(weight: QuantizedTensor, device: torch.device) -> str:
+    """How a QuantLinear holds `weight` on `device`: packed (our CPU kernels), dense (dequantized once: no
+    compiler), tinygemm (CUDA int4) or codes (dequantized per call)."""
     if device.type == "cuda":
         n, k = weight.shape
         tinygemm = weight.bits == 4 and weight.group_size in (32, 64, 128, 256) and n % 8 == 0 and k % 32 == 0

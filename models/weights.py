@@ -6,7 +6,7 @@ import torch
 from models.config import ModelConfig
 from models.hf_config import LLAMA_FAMILY
 from models.parallel import shard_tensor
-from models.quant_formats import QuantizedTensor, concat_rows
+from models.quant_formats import QuantizedTensor, RowStack, concat_rows, is_quantized
 
 # HF buffers that are not parameters (old GPT-2 checkpoints carry causal-mask buffers).
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -28,11 +28,11 @@ def _bigcode_mha_to_qkv(w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 def _cat(parts: list) -> torch.Tensor:
     """Rows stacked (fused projections); quantized parts stay quantized, even of mixed types."""
 
-    quantized = [isinstance(p, QuantizedTensor) for p in parts]
-    if all(quantized):
-        return concat_rows(parts)
+    quantized = [is_quantized(p) for p in parts]
+    if all(quantized):  # parts read by rows stay so: the stack is read a chunk at a time too
+        return concat_rows(parts) if all(isinstance(p, QuantizedTensor) for p in parts) else RowStack(parts)
     if any(quantized):  # NOTE: a fused matrix has one format: a part stored unquantized makes it all dense
-        parts = [p.dequantize() if q else p.float() for p, q in zip(parts, quantized)]
+        parts = [p.materialize().dequantize() if q else p.float() for p, q in zip(parts, quantized)]
     return torch.cat(parts)
 
 
@@ -114,28 +114,29 @@ class _Remaining:
 
 class _Kept(dict):
     """The state dict being built; with a shard, each tensor is cut to the rank's part as it arrives
-    (so the whole fused matrix is dropped at once) and tensors the rank holds none of are left out."""
+    (so the whole fused matrix is dropped at once) and tensors the rank holds none of are left out.
+    `convert(name, tensor)` then takes each as it arrives (the loader packs quantized matrices there), so
+    no more than one matrix is held in its unpacked form at a time."""
 
-    def __init__(self, cfg: ModelConfig, shard) -> None:
+    def __init__(self, cfg: ModelConfig, shard, convert=None) -> None:
         super().__init__()
-        self.cfg, self.shard = cfg, shard
+        self.cfg, self.shard, self.convert = cfg, shard, convert
 
     def __setitem__(self, name: str, t) -> None:
         if self.shard is not None:
-
-            t = shard_tensor(self.cfg, self.shard, name, t)
+            t = shard_tensor(self.cfg, self.shard, name, t.materialize() if is_quantized(t) else t)
         if t is not None:
-            super().__setitem__(name, t)
+            super().__setitem__(name, t if self.convert is None else self.convert(name, t))
 
 
-def hf_to_internal(cfg: ModelConfig, tensors, shard=None, lm_head_optional: bool = False) -> dict:
+def hf_to_internal(cfg: ModelConfig, tensors, shard=None, lm_head_optional: bool = False, convert=None) -> dict:
     """Rename/fuse HF tensors into DecoderLM's state dict; every tensor must be used exactly once.
 
     With a `shard` (models/parallel.py): that rank's parts only, the tensors of other pipeline
     stages never read. `lm_head_optional`: a base model's checkpoint, which may have no LM head (and
-    then the state dict has none)."""
+    then the state dict has none). `convert(name, tensor)`: what the state dict keeps of each (_Kept)."""
     hf = _Remaining(tensors)
-    out = _Kept(cfg, shard)
+    out = _Kept(cfg, shard, convert)
     layers = range(cfg.num_layers) if shard is None else shard.layers(cfg.num_layers)
     llama = cfg.architecture in LLAMA_FAMILY
     table = "model.embed_tokens.weight" if llama else "transformer.wte.weight"

@@ -192,3 +192,16 @@ def test_spec_decode_counters_are_zero_without_speculation():
         assert value(s, f"attnserve_spec_decode_{name}_total", model="old") == 0
     assert not [k for k in s if "_per_pos" in k[0]]
     assert [(m["speculative"], m["spec_decode"]) for m in dashboard_data([plain, old])["models"]] == [(None, None)] * 2
+
+
+def test_the_hub_keeps_a_replicas_newer_snapshot_whatever_order_its_reports_run_in():
+    """The AppState actor runs calls out of order (server/deployment.py): an older report arriving second
+    must not take a replica's counters back."""
+    from server.deployment import MetricsHub
+
+    hub = MetricsHub()
+    old, new = snapshot(age=2.0, hits=5), snapshot(hits=9)
+    hub.report("r1", new)
+    hub.report("r1", old)
+    hub.report("r2", old)
+    assert hub.collect() == [new, old]

@@ -136,39 +136,36 @@ def test_tied_embedding_reads_the_packed_head(bits, group, scales, offsets):
     assert table.weight.dtype == torch.float32 and table.embedding_dim == 1152 and table.num_embeddings == 100
 
 
-def test_packed_tensors_move_to_one_buffer_of_huge_pages():
-    """Every packed tensor (a tied table's too) is moved, values and sharing unchanged, into one
-    mapping that asked the kernel for transparent huge pages."""
-    from torch import nn
-
-    from models.quant_linear import move_to_huge_pages
-
-    w = random_quantized(100, 1152, 4, 32, "fp16", True, seed=9)
-    model = nn.Module()
-    model.head = QuantLinear(w, torch.randn(100), torch.float32)
-    model.table = QuantEmbedding.tied(model.head, torch.float32)
-    model.other = QuantLinear(random_quantized(40, 64, 8, 32, seed=10), None, torch.float32)
-    x, ids = torch.randn(3, 1152), torch.tensor([0, 17, 99])
-    before = (model.head(x), model.table(ids), model.other(x[:, :64]))
-    old = {id(t) for t in model.buffers()}
-    total = move_to_huge_pages(model)
-    tensors = [model.head.codes, model.head.scales, model.head.offsets, model.other.codes, model.other.scales]
-    assert not old & {id(t) for t in tensors}  # moved, not left where they were
-    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one buffer
-    assert total == tensors[0].untyped_storage().nbytes() >= sum(t.nbytes for t in tensors)
-    assert model.table.codes is model.head.codes and model.table.scales is model.head.scales  # still tied
-    after = (model.head(x), model.table(ids), model.other(x[:, :64]))
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
-    address = tensors[0].untyped_storage().data_ptr()
-    flags = None
-    for line in open("/proc/self/smaps"):  # the mapping holding the buffer: VmFlags "hg" is MADV_HUGEPAGE
+def _mapping_flags(address: int) -> list[str] | None:
+    """VmFlags of the mapping holding `address` (/proc/self/smaps); "hg" is MADV_HUGEPAGE."""
+    flags, inside = None, False
+    for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and all(c in "0123456789abcdef-" for c in head):
             lo, hi = (int(v, 16) for v in head.split("-"))
             inside = lo <= address < hi
         elif line.startswith("VmFlags:") and inside:
             flags = line.split()[1:]
-    assert flags is not None and "hg" in flags, flags
+    return flags
+
+
+@pytest.mark.parametrize("rows", [100, 1000])
+def test_packed_tensors_are_packed_by_rows_into_huge_pages(rows, monkeypatch):
+    """Packing a chunk of rows at a time (as the loader reads a GGUF matrix) gives pack's tensors exactly, in
+    mappings that asked the kernel for transparent huge pages; a tied table reads the head's own."""
+    import models.quant_linear as ql
+
+    monkeypatch.setattr(ql, "PACK_WEIGHTS", 256 * 1152)  # 1000 rows: four chunks, the last partial
+    w = random_quantized(rows, 1152, 4, 32, "fp16", True, seed=9)
+    head = QuantLinear(w, torch.randn(rows), torch.float32, activations="int8")
+    table = QuantEmbedding.tied(head, torch.float32)
+    whole = torch.ops.attnserve.pack_q8(w.q, w.scale, w.offset, 4, 32)
+    for got, want in zip((head.codes, head.scales, head.offsets), whole):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert "hg" in (_mapping_flags(got.data_ptr()) or [])
+    assert table.codes is head.codes and table.scales is head.scales  # the head's storage, not a copy
+    ids = torch.tensor([0, 17, rows - 1])
+    assert torch.equal(table(ids), w.dequantize()[ids])
 
 
 def test_without_the_kernel_weights_are_dequantized_once(monkeypatch):

@@ -2,6 +2,7 @@
 sized from what the weights leave, the CLI flags, and eval rows per weight format."""
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -25,7 +26,7 @@ def pool_bytes(engine: LLMEngine) -> int:
 # ---- EngineConfig ------------------------------------------------------------------------------
 def test_config_defaults_and_validation():
     cfg = EngineConfig()
-    assert (cfg.quantization, cfg.kv_cache_memory, cfg.memory_budget) == ("auto", "auto", int(1.5 * 2**30))
+    assert (cfg.quantization, cfg.kv_cache_memory, cfg.memory_budget) == ("auto", "auto", "auto")
     for q in QUANTIZATIONS:
         assert EngineConfig(quantization=q).quantization == q
     for bad in ("int3", "INT8", "fp8", ""):
@@ -62,6 +63,28 @@ def test_kv_budget_is_the_memory_budget_minus_the_weights():
         EngineConfig(memory_budget=1000).kv_budget(1000)
 
 
+def test_auto_budget_takes_what_the_machine_has_up_to_its_pool():
+    from server.engine.config import AUTO_KV_POOL, HEADROOM, MIN_AUTO_KV_POOL
+
+    cfg = EngineConfig()
+    assert cfg.kv_budget(300 * 2**20) == AUTO_KV_POOL  # nothing known of the machine
+    assert cfg.kv_budget(300 * 2**20, available=64 * 2**30) == AUTO_KV_POOL
+    assert cfg.kv_budget(300 * 2**20, available=HEADROOM + 2**30) == 2**30  # what is left, less the headroom
+    with pytest.raises(ValueError, match="no memory left for a KV cache") as e:
+        cfg.kv_budget(300 * 2**20, available=HEADROOM)
+    assert "300.0 MiB" in str(e.value) and "512.0 MiB" in str(e.value)
+    cfg.check_fits(8 * 2**30, available=None)  # not Linux: nothing to check against
+    cfg.check_fits(8 * 2**30, available=8 * 2**30 + MIN_AUTO_KV_POOL + HEADROOM)
+    with pytest.raises(ValueError, match="does not fit in memory") as e:
+        cfg.check_fits(8 * 2**30, available=6 * 2**30)
+    assert all(s in str(e.value) for s in ("8.00 GiB", "6.00 GiB", "256.0 MiB", "--kv-cache-memory", "--quantization"))
+    with pytest.raises(ValueError, match=r"KV pool 4.00 GiB"):  # a pool asked for counts whole
+        EngineConfig(kv_cache_memory="4GiB").check_fits(2**30, available=5 * 2**30)
+    EngineConfig(kv_cache_memory=None, num_blocks=8).check_fits(2**30, available=2**30 + HEADROOM)
+    with pytest.raises(ValueError, match="leaves no room for a KV cache"):  # a budget below the weights
+        EngineConfig(memory_budget="1GiB").check_fits(2**30, available=None)
+
+
 # ---- the engine's KV pool ----------------------------------------------------------------------
 def test_auto_pool_is_what_the_weights_leave(tiny_checkpoints):
     e = tiny_engine(tiny_checkpoints["llama"])
@@ -81,13 +104,19 @@ def test_auto_pool_is_what_the_weights_leave(tiny_checkpoints):
     assert bigger.info.num_blocks == e.info.num_blocks + 100
 
 
-def test_a_budget_below_the_weights_is_a_clear_error(tiny_checkpoints):
+def test_a_budget_below_the_weights_is_a_clear_error(tiny_checkpoints, monkeypatch):
+    import models.loader
     from models.loader import load_for_serving
 
     weights = load_for_serving(tiny_checkpoints["llama"], "float32").weight_bytes()
-    with pytest.raises(ValueError, match="leaves no room for a KV cache") as e:
+    built = []
+    monkeypatch.setattr(models.loader, "model_from_checkpoint", lambda *a, **k: built.append(1))
+    with pytest.raises(ValueError, match="leaves no room for a KV cache") as e:  # before any weight is read
         tiny_engine(tiny_checkpoints["llama"], memory_budget=weights // 2)
-    assert str(weights // 2) in str(e.value) and str(weights) in str(e.value)
+    assert not built
+    estimate = int(re.search(r"weights take about (\d+) bytes", str(e.value)).group(1))
+    assert str(weights // 2) in str(e.value) and abs(estimate - weights) <= weights // 100
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="below one block") as e:  # room, but under one block
         tiny_engine(tiny_checkpoints["llama"], memory_budget=weights + 10)
     assert "memory_budget" in str(e.value)
@@ -117,7 +146,7 @@ def test_cli_takes_quantization_and_memory_budget():
     parser = build_parser()
     for command in (["generate", "--prompt", "hi"], ["serve"]):
         cfg = _engine_config(parser.parse_args(command))
-        assert (cfg.quantization, cfg.memory_budget, cfg.kv_cache_memory) == ("auto", int(1.5 * 2**30), "auto")
+        assert (cfg.quantization, cfg.memory_budget, cfg.kv_cache_memory) == ("auto", "auto", "auto")
         for q in QUANTIZATIONS:
             assert _engine_config(parser.parse_args([*command, "--quantization", q])).quantization == q
         assert cfg.activations == "auto"

@@ -236,6 +236,9 @@ def test_cli_serve_joins_an_existing_cluster(serve_url, tiny_variants):
             if r.status_code == 200:
                 break
             time.sleep(1)
+        # NOTE: a request timed out above is cancelled by Serve with its calls: the AppState actor's first
+        # one among them, which hung every later call of the replica until the actor ran them out of order
+        assert r.status_code == 200, (r.status_code, r.text[:300])
         assert [m["id"] for m in r.json()["data"]] == ["tiny"]
         c = httpx.post(f"{serve_url}/joined/v1/completions", json={"model": "tiny", "prompt": "0 1", "max_tokens": 3},
                        timeout=60)

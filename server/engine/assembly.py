@@ -16,6 +16,7 @@ from models.cpu_linear import prepare
 from models.loader import load_for_serving, parse_dtype, read_model_config
 from models.lora import LoraSlots, lora_shapes
 from models.native.cpu_path import CpuPath
+from models.native.memory import available_memory
 from models.native.probe import detect
 from models.registry import resolve_model
 from models.tokenizer import load_tokenizer
@@ -68,7 +69,8 @@ def assemble(config: EngineConfig, model: DecoderLM | None = None, tokenizer: An
     pooling = resolve_pooling(path, config.task, config.pooling, config.embed_normalize)
     if model is None:
         model = load_for_serving(path, config.dtype, config.device, quantization=config.quantization,
-                                 activations=config.activations)
+                                 activations=config.activations,
+                                 fits=lambda weight_bytes: config.check_fits(weight_bytes, available_memory()))
         tokenizer = tokenizer or load_tokenizer(path)
     else:
         dtype = dtype_name(model.dtype)
@@ -97,7 +99,8 @@ def assemble(config: EngineConfig, model: DecoderLM | None = None, tokenizer: An
         # a draft model's weights and its KV (as many blocks as the target's, fewer bytes each) come
         # out of the same budget
         draft_block = draft_spec.bytes_per_block if draft is not None else 0
-        budget = config.kv_budget(weight_bytes + (draft.weight_bytes() if draft is not None else 0), model.quantization)
+        budget = config.kv_budget(weight_bytes + (draft.weight_bytes() if draft is not None else 0), model.quantization,
+                                  available_memory())
         num_blocks = _blocks_in(config, budget * kv_spec.bytes_per_block // (kv_spec.bytes_per_block + draft_block),
                                 kv_spec.bytes_per_block, weight_bytes)
     _log_pool(config, model.cpu_path, weight_bytes, num_blocks, kv_spec)
@@ -192,10 +195,14 @@ def _require_lm_head(model: DecoderLM, name: str) -> None:
 def _blocks_in(config: EngineConfig, budget: int, block_bytes: int, weight_bytes: int) -> int:
     if budget < block_bytes:
         raise ValueError(f"KV budget of {budget} bytes is below one block ({block_bytes} bytes); weights "
-                         f"{format_size(weight_bytes)}, memory_budget {format_size(config.memory_budget)}, "
+                         f"{format_size(weight_bytes)}, memory_budget {_size(config.memory_budget)}, "
                          f"kv_cache_memory {config.kv_cache_memory}: raise memory_budget or kv_cache_memory, "
                          "or give num_blocks")
     return budget // block_bytes
+
+
+def _size(value: int | str) -> str:
+    return value if isinstance(value, str) else format_size(value)
 
 
 def _log_pool(config: EngineConfig, cpu_path: CpuPath, weight_bytes: int, num_blocks: int, kv_spec: KVCacheSpec) -> None:

@@ -34,6 +34,11 @@ def _positive_size(name: str, value: int | str) -> int:
     return size
 
 
+AUTO_KV_POOL = int(1.5 * 2**30)  # memory_budget auto: the largest KV pool it sizes
+MIN_AUTO_KV_POOL = 256 * 2**20  # ... and the least a model must leave room for to start
+HEADROOM = 512 * 2**20  # activations, the tokenizer, compiled graphs: beyond weights and pool
+
+
 def format_size(n: int) -> str:
     """Bytes for people: '1.50 GiB', '135.3 MiB', '512 B'."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -59,7 +64,10 @@ class EngineConfig:
     # the quantized linears' activations: exact, int8 (rounded per block of 32, integer dot products),
     # or auto (int8 where measured faster and within the perplexity bounds: models/native/cpu_path.py)
     activations: str = "auto"
-    memory_budget: int | str = "1.5GiB"  # weights + KV pool, when kv_cache_memory is auto
+    # weights + KV pool, when kv_cache_memory is auto. auto: what this machine or container has left
+    # (models/native/memory.py available_memory), the pool up to AUTO_KV_POOL of it; a model that cannot
+    # fit is refused before any weight is read (check_fits)
+    memory_budget: int | str = "auto"
     # auto: the KV pool gets memory_budget - the weights' bytes as served (LLMEngine), so lighter
     # weights buy more blocks; a size (e.g. 1GiB) is the pool itself; ignored when num_blocks is given
     kv_cache_memory: int | str | None = "auto"
@@ -108,7 +116,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {self.activations!r}")
-        object.__setattr__(self, "memory_budget", _positive_size("memory_budget", self.memory_budget))
+        if self.memory_budget != "auto":
+            object.__setattr__(self, "memory_budget", _positive_size("memory_budget", self.memory_budget))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.num_blocks is None:
             if self.kv_cache_memory is None:
@@ -173,12 +182,22 @@ class EngineConfig:
     def worker_threads(self) -> int:
         return self.num_threads or max(1, round(self.worker_cpus))
 
-    def kv_budget(self, weight_bytes: int, weights_format: str | None = None) -> int:
+    def kv_budget(self, weight_bytes: int, weights_format: str | None = None, available: int | None = None) -> int:
         """The KV pool's bytes for a model whose weights take `weight_bytes` as served (in
-        `weights_format`, e.g. int8): kv_cache_memory when it is a size, else memory_budget - weight_bytes.
-        Unused when num_blocks is given."""
+        `weights_format`, e.g. int8): kv_cache_memory when it is a size, else memory_budget - weight_bytes,
+        or with memory_budget auto up to AUTO_KV_POOL of what is `available` now (the weights loaded),
+        less HEADROOM. Unused when num_blocks is given."""
         if self.kv_cache_memory != "auto":
             return int(self.kv_cache_memory)
+        if self.memory_budget == "auto":
+            left = AUTO_KV_POOL if available is None else min(AUTO_KV_POOL, available - HEADROOM)
+            if left <= 0:
+                raise ValueError(
+                    f"no memory left for a KV cache: the weights take {format_size(weight_bytes)} as served and "
+                    f"this machine (or container) has {format_size(available)} left, less "
+                    f"{format_size(HEADROOM)} for activations; quantize the weights (--quantization int4) or "
+                    "run where there is more memory")
+            return left
         left = self.memory_budget - weight_bytes
         if left <= 0:
             raise ValueError(
@@ -188,3 +207,35 @@ class EngineConfig:
                 "quantize the weights (--quantization int8 / int4), or size the pool yourself with kv_cache_memory "
                 "or num_blocks")
         return left
+
+    def check_fits(self, weight_bytes: int, available: int | None) -> None:
+        """Before loading: the weights (`weight_bytes`, estimated from the checkpoint's shapes) must leave
+        room for a KV pool in memory_budget, and weights and pool must fit in what this machine or container
+        has `available`, with HEADROOM for activations; else a clear error now, before anything is allocated
+        (the loader would be killed for memory, or fail only once the weights are in)."""
+        if self.num_blocks is None and self.kv_cache_memory == "auto" and self.memory_budget != "auto" \
+                and weight_bytes >= self.memory_budget:
+            raise ValueError(
+                f"memory_budget ({self.memory_budget} bytes, {format_size(self.memory_budget)}) leaves no room for a "
+                f"KV cache: the model's weights take about {weight_bytes} bytes ({format_size(weight_bytes)}) as "
+                f"served (estimated from the checkpoint, quantization {self.quantization!r}); raise memory_budget "
+                "(--memory-budget), quantize the weights (--quantization int8 / int4), or size the pool yourself "
+                "with kv_cache_memory or num_blocks")
+        if available is None:
+            return
+        if self.num_blocks:
+            pool = 0  # its bytes follow from the model's geometry: checked by the pool's own allocation
+        elif self.kv_cache_memory != "auto":
+            pool = int(self.kv_cache_memory)
+        elif self.memory_budget != "auto":
+            pool = max(0, self.memory_budget - weight_bytes)
+        else:
+            pool = MIN_AUTO_KV_POOL
+        need = weight_bytes + pool + HEADROOM
+        if need > available:
+            raise ValueError(
+                f"{self.model} does not fit in memory: it needs {format_size(need)} (weights "
+                f"{format_size(weight_bytes)} as served, estimated from the checkpoint; KV pool {format_size(pool)}; "
+                f"{format_size(HEADROOM)} for activations) and this machine (or container) has "
+                f"{format_size(available)} available. Quantize the weights (--quantization int4, or a smaller GGUF "
+                "type), shrink the pool (--kv-cache-memory), or run where there is more memory")
