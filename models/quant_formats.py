@@ -7,12 +7,14 @@ same order. `quantize_rtn` makes the same form from float weights (round to near
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from models.native.libraries import available
 from models.native.memory import drop_mapped_pages
 
 T = GGMLQuantizationType
@@ -163,16 +165,81 @@ def _q6_k(b):
     return codes, _f16(b[:, 208:]) * sc, None
 
 
+# The types below load and answer exactly, in 8-bit codes (their groups of 16 take no 4-bit kernel, and IQ4's
+# codes are a table's values), not yet in their files' bytes.
+
+
+def _crumbs(b: np.ndarray) -> np.ndarray:
+    """(B, 64) bytes -> (B, 256) two-bit fields: per run of 32 bytes, bits 0-1 of each, then 2-3, 4-5, 6-7."""
+    return ((b.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3).reshape(-1, 256)
+
+
+def _q2_k(b):
+    # The reference computes (d * (sc & 15)) * q - dmin * (sc >> 4) per 16 codes: offset = -(dmin * m).
+    sc = b[:, :16]
+    scale = _f16(b[:, 80:82]) * (sc & 15).astype(np.float32)
+    return _crumbs(b[:, 16:80]).astype(np.int8), scale, -(_f16(b[:, 82:84]) * (sc >> 4).astype(np.float32))
+
+
+def _q3_k(b):
+    # 16 six-bit scales, signed by -32: low nibbles of 8 bytes (all low, then all high), 2 high bits from 4 more.
+    low = _nibbles(b[:, 96:104])  # (B, 16)
+    high = (b[:, 104:108, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)).transpose(0, 2, 1).reshape(-1, 16)
+    sc = ((low | (high & 3) << 4).astype(np.int8) - 32).astype(np.float32)
+    # codes: two bits from qs, minus 4 where hmask's bit (bit j of hmask[l] for code 32j + l) is clear
+    hbit = _bits(b[:, :32, None]).transpose(0, 2, 1).reshape(-1, 256)
+    codes = _crumbs(b[:, 32:96]).astype(np.int8) - ((1 - hbit) << 2).astype(np.int8)
+    return codes, _f16(b[:, 108:110]) * sc, None
+
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def _iq4_nl(b):
+    return IQ4_VALUES[_nibbles(b[:, 2:])], _f16(b[:, :2]), None
+
+
+def _iq4_xs(b):
+    # 8 six-bit scales, signed by -32: 4 low bits from scales_l (low nibble first), 2 high bits from scales_h
+    low = (b[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(-1, 8) & 15
+    high = (b[:, 2:4].copy().view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)) & 3
+    sc = ((low | (high.astype(np.uint8) << 4)).astype(np.int8) - 32).astype(np.float32)
+    codes = IQ4_VALUES[_nibbles(b[:, 8:].reshape(-1, 8, 16))].reshape(-1, 256)
+    return codes, _f16(b[:, :2]) * sc, None
+
+
 _DECODERS = {
     T.Q8_0: (_q8_0, 8, 32), T.Q4_0: (_q4_0, 4, 32), T.Q4_1: (_q4_1, 4, 32), T.Q5_0: (_q5_0, 8, 32),
     T.Q5_1: (_q5_1, 8, 32), T.Q4_K: (_q4_k, 4, 32), T.Q5_K: (_q5_k, 8, 32), T.Q6_K: (_q6_k, 8, 16),
+    T.Q2_K: (_q2_k, 8, 16), T.Q3_K: (_q3_k, 8, 16), T.IQ4_NL: (_iq4_nl, 8, 32), T.IQ4_XS: (_iq4_xs, 8, 32),
 }  # type -> (decoder, bits, group_size)
 SUPPORTED_GGUF_TYPES = frozenset(_DECODERS)
-_OFFSET_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K})  # decoders that give offsets
+_OFFSET_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K, T.Q2_K})  # decoders that give offsets
+_NATIVE_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K})  # gguf_codes's
 
 
-def from_gguf(data: np.ndarray, tensor_type: GGMLQuantizationType, shape: tuple[int, int]) -> QuantizedTensor:
-    """`data`: GGUFReader's tensor.data (raw uint8 blocks, (N, bytes per row)); `shape`: (N, K)."""
+_LIB = torch.library.Library("attnserve", "FRAGMENT")
+# the decoders below in C++ (models/csrc/quant_linear.cpp), where that library builds: codes, scales, offsets
+_LIB.define("gguf_codes(Tensor blocks, int tensor_type, int block, int group, bool has_offset) -> "
+            "(Tensor, Tensor, Tensor)")
+
+
+def _native_decode(blocks: np.ndarray, tensor_type: T, block: int, group: int):
+    """(codes, scale, offset or None) per block, as the numpy decoder gives them; None without the library."""
+    if tensor_type not in _NATIVE_TYPES or not available("quant_linear"):
+        return None
+    with warnings.catch_warnings():  # NOTE: a read-only view of the file's map: the op only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(blocks)
+    q, scale, offset = torch.ops.attnserve.gguf_codes(raw, int(tensor_type), block, group,
+                                                      tensor_type in _OFFSET_TYPES)
+    return q, scale, offset if offset.numel() else None
+
+
+def from_gguf(data: np.ndarray, tensor_type: GGMLQuantizationType, shape: tuple[int, int],
+              native: bool = True) -> QuantizedTensor:
+    """`data`: GGUFReader's tensor.data (raw uint8 blocks, (N, bytes per row)); `shape`: (N, K). `native`:
+    decode in C++ where that library builds (the numpy decoders' values, bit for bit, ~10x faster)."""
     tensor_type = T(tensor_type)
     if tensor_type not in _DECODERS:
         names = ", ".join(sorted(t.name for t in SUPPORTED_GGUF_TYPES))
@@ -184,6 +251,10 @@ def from_gguf(data: np.ndarray, tensor_type: GGMLQuantizationType, shape: tuple[
         raise ValueError(f"{tensor_type.name} tensor of shape {tuple(shape)} needs K % {block} == 0 and "
                          f"{n * k // block * type_size} bytes; got {data.nbytes} bytes")
     blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size)  # (B, type_size)
+    decoded = _native_decode(blocks, tensor_type, block, group) if native else None
+    if decoded is not None:
+        q, scale, offset = (None if t is None else t.reshape(n, -1) for t in decoded)  # (N, K or K/g)
+        return QuantizedTensor(q, scale, offset, bits, group, tensor_type.name)
     q, scale, offset = decode(blocks)
     rows = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))  # noqa: E731  (N, K or K/g)
     return QuantizedTensor(rows(q), rows(scale), None if offset is None else rows(offset), bits, group,

@@ -20,7 +20,7 @@ from tests.tiny_gguf import TOKENIZER_FILES, _write_metadata
 
 # Where each type's fp16 scales lie in its block (ggml-common.h): random bytes there could be inf or NaN
 _F16_AT = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q4_K: (0, 2),
-           T.Q5_K: (0, 2), T.Q6_K: (208,)}
+           T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.IQ4_NL: (0,), T.IQ4_XS: (0,)}
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -39,12 +39,14 @@ def q4_k_m(name: str, num_layers: int, tied: bool) -> T:
     return T.Q4_K
 
 
-def random_blocks(rng: np.random.Generator, kind: T, n: int, k: int) -> np.ndarray:
-    """(n, k) weights as (n, bytes per row) uint8: random bytes, each fp16 scale set to one in [1e-3, 1e-2)."""
+def random_blocks(rng: np.random.Generator, kind: T, n: int, k: int, signed: bool = False) -> np.ndarray:
+    """(n, k) weights as (n, bytes per row) uint8: random bytes, each fp16 scale set to one in [1e-3, 1e-2)
+    (`signed`: either sign)."""
     block, size = GGML_QUANT_SIZES[kind]
     raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)  # (blocks, type size)
     for at in _F16_AT[kind]:
-        raw[:, at:at + 2] = rng.uniform(1e-3, 1e-2, (len(raw), 1)).astype(np.float16).view(np.uint8)
+        scales = rng.uniform(1e-3, 1e-2, (len(raw), 1)) * (rng.choice([-1, 1], (len(raw), 1)) if signed else 1)
+        raw[:, at:at + 2] = scales.astype(np.float16).view(np.uint8)
     return raw.reshape(n, k // block * size)
 
 
@@ -57,9 +59,9 @@ def hf_config(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, voc
             "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}
 
 
-def write_random_gguf(out_dir: Path, cfg: dict, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """`out_dir/model.gguf` (returned) of a Llama config `cfg` (hf_config's keys) typed as Q4_K_M, with the
-    tokenizer files of `tokenizer_dir` beside it."""
+def write_random_gguf(out_dir: Path, cfg: dict, tokenizer_dir: Path, seed: int = 0, types=None) -> Path:
+    """`out_dir/model.gguf` (returned) of a Llama config `cfg` (hf_config's keys) typed as Q4_K_M (else
+    `types(name, num_layers, tied)`), with the tokenizer files of `tokenizer_dir` beside it."""
     rng = np.random.default_rng(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.gguf"
@@ -81,7 +83,7 @@ def write_random_gguf(out_dir: Path, cfg: dict, tokenizer_dir: Path, seed: int =
                          f"blk.{i}.ffn_up": (cfg["intermediate_size"], h),
                          f"blk.{i}.ffn_down": (h, cfg["intermediate_size"])})
     for name, (rows, cols) in matrices.items():
-        kind = q4_k_m(name, n, tied)
+        kind = (types or q4_k_m)(name, n, tied)
         raw = random_blocks(rng, kind, rows, cols)
         writer.add_tensor(f"{name}.weight", raw, raw_shape=raw.shape, raw_dtype=kind)
     ones = np.ones(h, dtype=np.float32)

@@ -34,17 +34,45 @@ def assert_same_bits(got: torch.Tensor, ref: np.ndarray | torch.Tensor, zero_sig
     assert not diff.any(), f"{int(diff.sum())} of {diff.numel()} differ: {got[diff][:4]} vs {ref[diff][:4]}"
 
 
+# loaded in 8-bit codes, exactly (tests/gguf_blocks.py has no encoders for them: random bytes, valid scales)
+EIGHT_BIT = {T.Q2_K: (8, 16), T.Q3_K: (8, 16), T.IQ4_NL: (8, 32), T.IQ4_XS: (8, 32)}
+
+
 def test_supported_types():
-    assert SUPPORTED_GGUF_TYPES == set(EXPECTED)
+    assert SUPPORTED_GGUF_TYPES == set(EXPECTED) | set(EIGHT_BIT)
 
 
+@pytest.mark.parametrize("t", sorted(EIGHT_BIT, key=lambda t: t.name), ids=lambda t: t.name)
+def test_low_bit_and_iq4_types_decode_exactly(t):
+    from tests.random_gguf import random_blocks as random_bytes
+
+    rng = np.random.default_rng(t.value)
+    for n, k in _shapes(t):
+        data = random_bytes(rng, t, n, k, signed=True)
+        qt = from_gguf(data, t, (n, k))
+        assert (qt.bits, qt.group_size, qt.kind, qt.shape) == (*EIGHT_BIT[t], t.name, (n, k))
+        assert_same_bits(qt.dequantize(), gguf.quants.dequantize(data, t))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["cpp", "numpy"])
 @pytest.mark.parametrize("edge", [False, True], ids=["random", "edge"])
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-def test_decode_matches_reference_bit_for_bit(t, edge):
+def test_decode_matches_reference_bit_for_bit(t, edge, native):
+    """Both decoders: C++ (models/csrc/quant_linear.cpp gguf_codes, where the library builds) and numpy."""
+    if native:
+        from models.native.libraries import available
+
+        assert available("quant_linear")
     rng = np.random.default_rng([t.value, edge])
     for n, k in _shapes(t):
         data = random_blocks(rng, t, n, k, edge)
-        qt = from_gguf(data, t, (n, k))
+        qt = from_gguf(data, t, (n, k), native=native)
+        if not native:  # the same codes, scales and offsets, bit for bit, as the C++ decoder's
+            cpp = from_gguf(data, t, (n, k))
+            assert torch.equal(qt.q, cpp.q) and (qt.offset is None) == (cpp.offset is None)
+            assert_same_bits(qt.scale, cpp.scale, zero_sign=True)
+            if qt.offset is not None:
+                assert_same_bits(qt.offset, cpp.offset, zero_sign=True)
         assert (qt.bits, qt.group_size, qt.kind, qt.shape) == (*EXPECTED[t], t.name, (n, k))
         # Q4_0 as q*d + (-8d) gives +0.0 where the reference's d*(q-8) gives -0.0 (d < 0, q = 8): same value.
         assert_same_bits(qt.dequantize(), gguf.quants.dequantize(data, t), zero_sign=t != T.Q4_0)
