@@ -65,6 +65,29 @@ def test_our_gguf_reader_reads_what_gguf_py_reads():
     assert ours.data_offset == theirs.data_offset
 
 
+@pytest.mark.default_model
+def test_a_gguf_tokenizer_is_built_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    """The tokenizer embedded in a GGUF, built by transformers the first time, then loaded from its saved form:
+    the same tokens, text, special tokens and chat template, without building it again."""
+    import models.tokenizer
+
+    monkeypatch.setenv("ATTNSERVE_CACHE_DIR", str(tmp_path))
+    built = load_tokenizer(default_gguf_path())
+    assert len(list((tmp_path / "gguf-tokenizers").iterdir())) == 1
+    monkeypatch.setattr(models.tokenizer, "gguf_tokenizer", lambda path: pytest.fail("built again"))
+    cached = load_tokenizer(default_gguf_path())
+    texts = ["Hello, world!", "The capital of France is Paris.\n\n  Indented\tcode();", "naïve café – 東京 🚀",
+             "<|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        assert cached(text)["input_ids"] == built(text)["input_ids"]
+        ids = built(text)["input_ids"]
+        assert cached.decode(ids) == built.decode(ids)
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    assert cached.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        built.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (cached.eos_token_id, cached.bos_token_id, len(cached)) == (built.eos_token_id, built.bos_token_id, len(built))
+
+
 # NOTE: one prompt in CI: the others take the same path (our model without a cache against transformers'),
 # over other tokens; make test-all runs them
 @pytest.mark.parametrize("prompt", [p if "France" in p else pytest.param(p, marks=pytest.mark.exhaustive)
