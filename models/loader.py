@@ -84,8 +84,8 @@ def model_from_checkpoint(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32
 class _Packer:
     """hf_to_internal's `convert`: each quantized matrix (a GGUF's, or one quantized here) becomes its
     QuantLinear as it arrives, in huge pages, so that loading holds the packed weights read so far and one
-    chunk of one matrix unpacked (models/quant_linear.py pack_by_rows), never the whole model twice. Linears whose codes have `int8_bits` bits take int8
-    activations, the rest exact ones (models/quant_linear.py)."""
+    chunk of one matrix unpacked (models/quant_linear.py pack_by_rows), never the whole model twice.
+    Linears whose codes have `int8_bits` bits take int8 activations, the rest exact ones."""
 
     def __init__(self, dtype: torch.dtype, device: str, quantization: str, int8_bits: frozenset[int],
                  tied: bool) -> None:
