@@ -200,13 +200,15 @@ class EngineConfig:
             return left
         left = self.memory_budget - weight_bytes
         if left <= 0:
-            raise ValueError(
-                f"memory_budget ({self.memory_budget} bytes, {format_size(self.memory_budget)}) leaves no room for a "
-                f"KV cache: the model's weights take {weight_bytes} bytes ({format_size(weight_bytes)}) as served "
-                f"(quantization {weights_format or self.quantization!r}); raise memory_budget (--memory-budget), "
-                "quantize the weights (--quantization int8 / int4), or size the pool yourself with kv_cache_memory "
-                "or num_blocks")
+            raise self._no_room(f"{weight_bytes} bytes ({format_size(weight_bytes)}) as served (quantization "
+                                f"{weights_format or self.quantization!r})")
         return left
+
+    def _no_room(self, weights: str) -> ValueError:
+        return ValueError(
+            f"memory_budget ({self.memory_budget} bytes, {format_size(self.memory_budget)}) leaves no room for a KV "
+            f"cache: the model's weights take {weights}; raise memory_budget (--memory-budget), quantize the weights "
+            "(--quantization int8 / int4), or size the pool yourself with kv_cache_memory or num_blocks")
 
     def check_fits(self, weight_bytes: int, available: int | None) -> None:
         """Before loading: the weights (`weight_bytes`, estimated from the checkpoint's shapes) must leave
@@ -215,12 +217,8 @@ class EngineConfig:
         (the loader would be killed for memory, or fail only once the weights are in)."""
         if self.num_blocks is None and self.kv_cache_memory == "auto" and self.memory_budget != "auto" \
                 and weight_bytes >= self.memory_budget:
-            raise ValueError(
-                f"memory_budget ({self.memory_budget} bytes, {format_size(self.memory_budget)}) leaves no room for a "
-                f"KV cache: the model's weights take about {weight_bytes} bytes ({format_size(weight_bytes)}) as "
-                f"served (estimated from the checkpoint, quantization {self.quantization!r}); raise memory_budget "
-                "(--memory-budget), quantize the weights (--quantization int8 / int4), or size the pool yourself "
-                "with kv_cache_memory or num_blocks")
+            raise self._no_room(f"about {weight_bytes} bytes ({format_size(weight_bytes)}) as served (estimated "
+                                f"from the checkpoint, quantization {self.quantization!r})")
         if available is None:
             return
         if self.num_blocks:
