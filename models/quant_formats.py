@@ -158,9 +158,8 @@ def _q5_k(b):
 
 def _q6_k(b):
     # Two halves of 128 codes: ql gives low nibbles of 64 bytes (low nibbles first), qh 2 bits per code.
-    low = _nibbles(b[:, :128].reshape(-1, 2, 64))  # (B, 2, 128)
-    qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]  # (B, 2, 4, 32)
-    codes = (low | ((qh & 3).reshape(-1, 2, 128) << 4)).reshape(-1, 256).astype(np.int8) - 32  # (B, 256)
+    low = _nibbles(b[:, :128].reshape(-1, 2, 64)).reshape(-1, 256)  # (B, 256)
+    codes = (low | _crumbs(b[:, 128:192]) << 4).astype(np.int8) - 32  # (B, 256)
     sc = b[:, 192:208].view(np.int8).astype(np.float32)  # (B, 16)
     return codes, _f16(b[:, 208:]) * sc, None
 
@@ -236,14 +235,18 @@ def _native_decode(blocks: np.ndarray, tensor_type: T, block: int, group: int):
     return q, scale, offset if offset.numel() else None
 
 
+def _check_supported(tensor_type: T) -> None:
+    if tensor_type not in _DECODERS:
+        names = ", ".join(sorted(t.name for t in SUPPORTED_GGUF_TYPES))
+        raise ValueError(f"GGUF type {tensor_type.name} is not supported; supported: {names}")
+
+
 def from_gguf(data: np.ndarray, tensor_type: GGMLQuantizationType, shape: tuple[int, int],
               native: bool = True) -> QuantizedTensor:
     """`data`: GGUFReader's tensor.data (raw uint8 blocks, (N, bytes per row)); `shape`: (N, K). `native`:
     decode in C++ where that library builds (the numpy decoders' values, bit for bit, ~10x faster)."""
     tensor_type = T(tensor_type)
-    if tensor_type not in _DECODERS:
-        names = ", ".join(sorted(t.name for t in SUPPORTED_GGUF_TYPES))
-        raise ValueError(f"GGUF type {tensor_type.name} is not supported; supported: {names}")
+    _check_supported(tensor_type)
     decode, bits, group = _DECODERS[tensor_type]
     block, type_size = GGML_QUANT_SIZES[tensor_type]
     n, k = shape
@@ -269,8 +272,7 @@ class GGUFRows:
     def __init__(self, data: np.ndarray, tensor_type: GGMLQuantizationType, k: int,
                  order: torch.Tensor | None = None) -> None:
         self.data, self.tensor_type, self.order = data, T(tensor_type), order
-        if self.tensor_type not in _DECODERS:
-            from_gguf(data[:0], tensor_type, (0, k))  # raises: not supported
+        _check_supported(self.tensor_type)
         _, self.bits, self.group_size = _DECODERS[self.tensor_type]
         self.shape = (len(data), k)
         self.kind = self.tensor_type.name
