@@ -135,8 +135,14 @@ LLAMA_FLAGS_native := -DGGML_NATIVE=ON
 LLAMA_FLAGS_avx2 := -DGGML_NATIVE=OFF
 LLAMA_FLAGS_avx512 := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
   -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON
-peers: $(PEERS_VENV)/.installed-stamp $(LLAMA_BUILD)/bin/llama-bench $(PEER_GGUF) \
+peers: $(PEERS_VENV)/.installed-stamp $(LLAMA_BUILD)/bin/llama-bench $(PEER_GGUF) $(VENV)/.converter-stamp \
   $(if $(HAS_AMX),$(PEERS_DIR)/llama.cpp-avx512/bin/llama-bench)
+
+# loadtests/make_models.py runs llama.cpp's converter in this venv: it imports sentencepiece for Llama-family
+# vocabularies (a benchmark tool's need, not the server's)
+$(VENV)/.converter-stamp: | $(STAMP)
+	$(PY) -m pip install -q sentencepiece
+	touch $@
 
 $(PEERS_VENV)/.installed-stamp: Makefile
 	$(PYTHON) -m venv $(PEERS_VENV)
@@ -156,7 +162,7 @@ $(LLAMA_SRC)/CMakeLists.txt:
 $(PEERS_DIR)/llama.cpp-%/bin/llama-bench: $(LLAMA_SRC)/CMakeLists.txt
 	cmake -S $(LLAMA_SRC) -B $(PEERS_DIR)/llama.cpp-$* -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
 	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF $(LLAMA_FLAGS_$*)
-	cmake --build $(PEERS_DIR)/llama.cpp-$* --target llama-bench llama-server -j$$(nproc)
+	cmake --build $(PEERS_DIR)/llama.cpp-$* --target llama-bench llama-server llama-quantize llama-batched-bench -j$$(nproc)
 
 $(PEER_GGUF): $(LLAMA_SRC)/CMakeLists.txt $(PEERS_VENV)/.installed-stamp | $(STAMP)
 	PYTHONPATH=$(LLAMA_SRC)/gguf-py $(PEERS_VENV)/bin/python $(LLAMA_SRC)/convert_hf_to_gguf.py \

@@ -42,6 +42,9 @@ class QuantizedTensor:
     bits: int  # 4: the kernels store nibbles; 8: bytes
     group_size: int  # along K
     kind: str  # source format, for reports: "Q4_K", "int8", "int4_g32", "Q4_K+Q6_K", ...
+    # uint8 (N, K / 256, bytes): a K-quant's scales as its file stores them (superblocks()), from which the
+    # 8-bit-activation kernel computes scale and offset per group (models/csrc/group_scales.h); or None
+    superblocks: torch.Tensor | None = None
 
     def __post_init__(self):
         n, k = self.q.shape
@@ -49,6 +52,10 @@ class QuantizedTensor:
         if self.q.dtype != torch.int8 or self.bits not in (4, 8) or k % self.group_size:
             raise ValueError(f"bad {self.kind}: q {self.q.dtype} {tuple(self.q.shape)}, bits {self.bits}, "
                              f"group {self.group_size}")
+        sb = self.superblocks
+        if sb is not None and (sb.dtype != torch.uint8 or sb.dim() != 3 or tuple(sb.shape[:2]) != (n, k // 256)
+                               or k % 256):
+            raise ValueError(f"bad {self.kind}: superblocks {sb.dtype} {tuple(sb.shape)} for {n} x {k}")
         for name, t in (("scale", self.scale), ("offset", self.offset)):
             if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != groups):
                 raise ValueError(f"bad {self.kind}: {name} {t.dtype} {tuple(t.shape)}, expected float32 {groups}")
@@ -66,8 +73,9 @@ class QuantizedTensor:
         return codes + 4 * self.scale.numel() * (1 if self.offset is None else 2)
 
     def select_rows(self, index: torch.Tensor) -> QuantizedTensor:
-        offset = None if self.offset is None else self.offset[index]
-        return dataclasses.replace(self, q=self.q[index], scale=self.scale[index], offset=offset)
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return dataclasses.replace(self, q=self.q[index], scale=self.scale[index], offset=pick(self.offset),
+                                   superblocks=pick(self.superblocks))
 
     @property
     def has_offset(self) -> bool:
@@ -75,8 +83,7 @@ class QuantizedTensor:
 
     def rows(self, start: int, stop: int) -> QuantizedTensor:
         """Rows start..stop (views): what a packer reads a chunk at a time (RowSource)."""
-        offset = None if self.offset is None else self.offset[start:stop]
-        return dataclasses.replace(self, q=self.q[start:stop], scale=self.scale[start:stop], offset=offset)
+        return self.select_rows(slice(start, stop))
 
     def materialize(self) -> QuantizedTensor:
         return self
@@ -180,11 +187,15 @@ def _q2_k(b):
     return _crumbs(b[:, 16:80]).astype(np.int8), scale, -(_f16(b[:, 82:84]) * (sc >> 4).astype(np.float32))
 
 
-def _q3_k(b):
-    # 16 six-bit scales, signed by -32: low nibbles of 8 bytes (all low, then all high), 2 high bits from 4 more.
+def _q3_k_scales(b: np.ndarray) -> np.ndarray:
+    """16 six-bit scales, signed by -32: low nibbles of 8 bytes (all low, then all high), 2 high bits from 4 more."""
     low = _nibbles(b[:, 96:104])  # (B, 16)
     high = (b[:, 104:108, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)).transpose(0, 2, 1).reshape(-1, 16)
-    sc = ((low | (high & 3) << 4).astype(np.int8) - 32).astype(np.float32)
+    return (low | (high & 3) << 4).astype(np.int8) - 32
+
+
+def _q3_k(b):
+    sc = _q3_k_scales(b).astype(np.float32)
     # codes: two bits from qs, minus 4 where hmask's bit (bit j of hmask[l] for code 32j + l) is clear
     hbit = _bits(b[:, :32, None]).transpose(0, 2, 1).reshape(-1, 256)
     codes = _crumbs(b[:, 32:96]).astype(np.int8) - ((1 - hbit) << 2).astype(np.int8)
@@ -198,11 +209,15 @@ def _iq4_nl(b):
     return IQ4_VALUES[_nibbles(b[:, 2:])], _f16(b[:, :2]), None
 
 
-def _iq4_xs(b):
-    # 8 six-bit scales, signed by -32: 4 low bits from scales_l (low nibble first), 2 high bits from scales_h
+def _iq4_xs_scales(b: np.ndarray) -> np.ndarray:
+    """8 six-bit scales, signed by -32: 4 low bits from scales_l (low nibble first), 2 high bits from scales_h."""
     low = (b[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(-1, 8) & 15
     high = (b[:, 2:4].copy().view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)) & 3
-    sc = ((low | (high.astype(np.uint8) << 4)).astype(np.int8) - 32).astype(np.float32)
+    return (low | (high.astype(np.uint8) << 4)).astype(np.int8) - 32
+
+
+def _iq4_xs(b):
+    sc = _iq4_xs_scales(b).astype(np.float32)
     codes = IQ4_VALUES[_nibbles(b[:, 8:].reshape(-1, 8, 16))].reshape(-1, 256)
     return codes, _f16(b[:, :2]) * sc, None
 
@@ -213,6 +228,20 @@ _DECODERS = {
     T.Q2_K: (_q2_k, 8, 16), T.Q3_K: (_q3_k, 8, 16), T.IQ4_NL: (_iq4_nl, 8, 32), T.IQ4_XS: (_iq4_xs, 8, 32),
 }  # type -> (decoder, bits, group_size)
 SUPPORTED_GGUF_TYPES = frozenset(_DECODERS)
+
+
+def _d_and_scales(d: np.ndarray, sc: np.ndarray) -> np.ndarray:
+    return np.concatenate([d, sc.view(np.uint8)], axis=1)
+
+
+# (B, type_size) blocks -> (B, bytes) superblocks: with mins, the block's first 16 bytes (d, dmin, 12 bytes of
+# 6-bit scales and mins); without, d then one int8 scale per group (models/csrc/group_scales.h)
+_SUPERBLOCKS = {
+    T.Q4_K: lambda b: b[:, :16], T.Q5_K: lambda b: b[:, :16],
+    T.Q6_K: lambda b: _d_and_scales(b[:, 208:210], b[:, 192:208]),
+    T.Q3_K: lambda b: _d_and_scales(b[:, 108:110], _q3_k_scales(b)),
+    T.IQ4_XS: lambda b: _d_and_scales(b[:, :2], _iq4_xs_scales(b)),
+}
 _OFFSET_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K, T.Q2_K})  # decoders that give offsets
 _NATIVE_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K})  # gguf_codes's
 
@@ -254,14 +283,16 @@ def from_gguf(data: np.ndarray, tensor_type: GGMLQuantizationType, shape: tuple[
         raise ValueError(f"{tensor_type.name} tensor of shape {tuple(shape)} needs K % {block} == 0 and "
                          f"{n * k // block * type_size} bytes; got {data.nbytes} bytes")
     blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size)  # (B, type_size)
+    sb = _SUPERBLOCKS.get(tensor_type)
+    superblocks = None if sb is None else torch.from_numpy(np.ascontiguousarray(sb(blocks)).reshape(n, k // 256, -1))
     decoded = _native_decode(blocks, tensor_type, block, group) if native else None
     if decoded is not None:
         q, scale, offset = (None if t is None else t.reshape(n, -1) for t in decoded)  # (N, K or K/g)
-        return QuantizedTensor(q, scale, offset, bits, group, tensor_type.name)
+        return QuantizedTensor(q, scale, offset, bits, group, tensor_type.name, superblocks)
     q, scale, offset = decode(blocks)
     rows = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))  # noqa: E731  (N, K or K/g)
     return QuantizedTensor(rows(q), rows(scale), None if offset is None else rows(offset), bits, group,
-                           tensor_type.name)
+                           tensor_type.name, superblocks)
 
 
 class GGUFRows:
@@ -368,6 +399,9 @@ def concat_rows(parts: list[QuantizedTensor], like=None) -> QuantizedTensor:
             return torch.full((p.shape[0], k // group), -0.0, dtype=torch.float32)
         return regroup(p.offset, p)
 
+    # NOTE: superblocks only where the whole stack is one kind (`like`'s, not these parts'): every chunk of a
+    # RowStack then packs to the same scale form
+    one_kind = "+" not in kind and all(p.superblocks is not None for p in parts)
     return QuantizedTensor(
         q=torch.cat([p.q for p in parts]),
         scale=torch.cat([regroup(p.scale, p) for p in parts]),
@@ -375,6 +409,7 @@ def concat_rows(parts: list[QuantizedTensor], like=None) -> QuantizedTensor:
         bits=bits,
         group_size=group,
         kind=kind,
+        superblocks=torch.cat([p.superblocks for p in parts]) if one_kind else None,
     )
 
 

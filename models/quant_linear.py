@@ -34,7 +34,8 @@ _LIB.define("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets,
 _LIB.define("pack_quant(Tensor q, Tensor scale, Tensor? offset, int bits, int group_size) -> (Tensor, Tensor, Tensor)")
 _LIB.define("q8_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias, int bits, "
             "int group_size, SymInt out_features, Tensor? prompt_rows=None) -> Tensor")
-_LIB.define("pack_q8(Tensor q, Tensor scale, Tensor? offset, int bits, int group_size) -> (Tensor, Tensor, Tensor)")
+_LIB.define("pack_q8(Tensor q, Tensor scale, Tensor? offset, int bits, int group_size, Tensor? superblocks=None) -> "
+            "(Tensor, Tensor, Tensor)")
 # rows `ids` of a packed matrix as fp32 (T, in_features): a tied embedding's lookup (QuantEmbedding)
 for _name in ("quant_rows", "q8_rows"):
     _LIB.define(f"{_name}(Tensor codes, Tensor scales, Tensor offsets, Tensor ids, int bits, int group_size, "
@@ -74,11 +75,12 @@ class QuantLinear(nn.Module):
         self.mode = linear_mode(weight, torch.device(device))
         self.int8_activations = self.mode == "packed" and activations == "int8" and int8_packable(weight)
         if self.mode == "packed":
-            pack = torch.ops.attnserve.pack_q8 if self.int8_activations else torch.ops.attnserve.pack_quant
-            codes, scales, offsets = pack_by_rows(weight, pack)
-            self.register_buffer("codes", codes, persistent=False)  # (panels, K * W * bits / 8) uint8
-            self.register_buffer("scales", scales, persistent=False)  # (panels, groups, W) fp32 or fp16
-            self.register_buffer("offsets", offsets, persistent=False)  # (panels, groups, W), or (0,): none
+            self.bits = packed_bits(weight, self.int8_activations)
+            codes, scales, offsets = pack_by_rows(weight, self.int8_activations)
+            self.register_buffer("codes", codes, persistent=False)  # (panels, K * W * self.bits / 8) uint8
+            # (panels, groups, W) fp32 or fp16; or a K-quant's superblock records (panels, K / 256, bytes) uint8
+            self.register_buffer("scales", scales, persistent=False)
+            self.register_buffer("offsets", offsets, persistent=False)  # like scales (records: dmin), or (0,): none
             return
         weight = weight.materialize()
         if self.mode == "dense":
@@ -170,25 +172,49 @@ PACK_ROWS = 256  # rows per chunk: whole quads of panels at any lane count (W = 
 PACK_WEIGHTS = 1 << 20  # a chunk's weights: its decode holds ~10 bytes a weight for a moment
 
 
-def pack_by_rows(weight: RowSource, pack) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`pack`'s (codes, scales, offsets) of `weight`, packed a chunk of rows at a time straight into huge pages
-    (huge_page_tensors): a chunk of whole quads of panels packs to exactly its panels of the whole, so the
-    whole's codes are never held twice. Scales are fp16 where every chunk's were (each exact in fp16, the
-    rule pack applies to a whole); offsets are kept where any chunk has one."""
+PLANE_BITS = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5}  # kinds whose codes the int8 kernel keeps in their own bits
+
+
+def packed_bits(weight: RowSource, int8: bool) -> int:
+    """The code width a kernel holds `weight` in: Q6_K's and Q5's codes in 6 and 5 bits for the 8-bit-activation
+    kernel (models/csrc/code_planes.h: their files' widths, where 8-bit codes took 8), else the weight's own."""
+    return PLANE_BITS.get(weight.kind, weight.bits) if int8 else weight.bits
+
+
+def _pack(w: QuantizedTensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if int8:
+        return torch.ops.attnserve.pack_q8(w.q, w.scale, w.offset, packed_bits(w, True), w.group_size,
+                                           w.superblocks)
+    return torch.ops.attnserve.pack_quant(w.q, w.scale, w.offset, w.bits, w.group_size)
+
+
+def pack_by_rows(weight: RowSource, int8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed (codes, scales, offsets) of `weight` for the 8-bit-activation kernel (`int8`) or the exact one,
+    packed a chunk of rows at a time straight into huge pages (huge_page_tensors): a chunk of whole quads of
+    panels packs to exactly its panels of the whole, so the whole's codes are never held twice. Per-group scales
+    are fp16 where every chunk's were (each exact in fp16, the rule pack applies to a whole); offsets are kept
+    where any chunk has one. Superblock records (a K-quant's own scales) go straight to their place."""
     n, k = weight.shape
     step = max(PACK_ROWS, PACK_WEIGHTS // max(k, 1) // PACK_ROWS * PACK_ROWS)
     codes = scales = offsets = None
-    half, offset_seen, at = True, False, 0
+    half, offset_seen, records, at = True, False, False, 0
     for start in range(0, n, step):
         w = weight.rows(start, min(n, start + step))
-        c, sc, of = pack(w.q, w.scale, w.offset, weight.bits, weight.group_size)
+        c, sc, of = _pack(w, int8)
         del w
         if codes is None:  # NOTE: every chunk but the last is whole quads of panels: its panels are the whole's
             lanes = step // c.shape[0] if n > step else None  # W: `step` rows pack to step / W panels
             panels = c.shape[0] if lanes is None else -(-n // (QUAD * lanes)) * QUAD  # zero padded, as pack pads
-            [codes] = huge_page_tensors([((panels, c.shape[1]), c.dtype)])
-            scales = torch.zeros((panels, *sc.shape[1:]), dtype=torch.float32)  # (panels, groups, W)
-            offsets = torch.zeros_like(scales)
+            records = sc.dtype == torch.uint8
+            if records:  # NOTE: one form for every chunk: RowStack keeps superblocks only for a stack of one kind
+                shapes = [((panels, c.shape[1]), c.dtype), ((panels, *sc.shape[1:]), sc.dtype)]
+                codes, scales, *rest = huge_page_tensors(shapes + ([((panels, *of.shape[1:]), of.dtype)]
+                                                                    if of.numel() else []))
+                offsets = rest[0] if rest else of
+            else:
+                [codes] = huge_page_tensors([((panels, c.shape[1]), c.dtype)])
+                scales = torch.zeros((panels, *sc.shape[1:]), dtype=torch.float32)  # (panels, groups, W)
+                offsets = torch.zeros_like(scales)
         codes[at:at + c.shape[0]] = c
         scales[at:at + c.shape[0]] = sc
         if of.numel():
@@ -196,6 +222,8 @@ def pack_by_rows(weight: RowSource, pack) -> tuple[torch.Tensor, torch.Tensor, t
             offset_seen = True
         half = half and sc.dtype == torch.float16 and (not of.numel() or of.dtype == torch.float16)
         at += c.shape[0]
+    if records:
+        return codes, scales, offsets
     dtype = torch.float16 if half else torch.float32  # NOTE: fp16 only where pack found every chunk's exact
     shapes = [(scales.shape, dtype)] + ([(offsets.shape, dtype)] if offset_seen else [])
     packed = huge_page_tensors(shapes)

@@ -59,9 +59,26 @@ def hf_config(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, voc
             "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}
 
 
-def write_random_gguf(out_dir: Path, cfg: dict, tokenizer_dir: Path, seed: int = 0, types=None) -> Path:
+def copy_vocab(writer: gguf.GGUFWriter, source: Path, skip: tuple[str, ...]) -> int:
+    """The tokenizer.* fields of the GGUF `source` (one llama.cpp's converter wrote) into `writer`, but `skip`;
+    returns its number of tokens: what llama.cpp needs to load a file, which this writer has no vocabulary for."""
+    reader = gguf.GGUFReader(source)
+    tokens = 0
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer.") or name in skip:
+            continue
+        value = field.contents()
+        writer.add_key_value(name, value, field.types[0], field.types[1] if len(field.types) > 1 else None)
+        if name == "tokenizer.ggml.tokens":
+            tokens = len(value)
+    return tokens
+
+
+def write_random_gguf(out_dir: Path, cfg: dict, tokenizer_dir: Path, seed: int = 0, types=None,
+                      vocab_from: Path | None = None) -> Path:
     """`out_dir/model.gguf` (returned) of a Llama config `cfg` (hf_config's keys) typed as Q4_K_M (else
-    `types(name, num_layers, tied)`), with the tokenizer files of `tokenizer_dir` beside it."""
+    `types(name, num_layers, tied)`), with the tokenizer files of `tokenizer_dir` beside it; `vocab_from`: a
+    GGUF whose vocabulary fields to copy (then llama.cpp runs the file too; cfg's vocab_size must be its)."""
     rng = np.random.default_rng(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.gguf"
@@ -71,6 +88,10 @@ def write_random_gguf(out_dir: Path, cfg: dict, tokenizer_dir: Path, seed: int =
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
     writer.add_pad_token_id(cfg["pad_token_id"])
+    if vocab_from is not None:
+        ids = tuple(f"tokenizer.ggml.{k}_token_id" for k in ("bos", "eos", "padding"))
+        if copy_vocab(writer, vocab_from, ids) != cfg["vocab_size"]:
+            raise ValueError(f"{vocab_from}'s vocabulary is not the config's {cfg['vocab_size']} tokens")
     h, n, tied = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["tie_word_embeddings"]
     d = h // cfg["num_attention_heads"]
     kv = cfg["num_key_value_heads"] * d
@@ -108,14 +129,17 @@ def main() -> None:
     for key, default in (("hidden", 2048), ("layers", 16), ("heads", 32), ("kv-heads", 8), ("ffn", 8192)):
         p.add_argument(f"--{key}", type=int, default=default)
     p.add_argument("--untied", action="store_true")
+    p.add_argument("--vocab-from", type=Path, help="a converter-written GGUF whose vocabulary to copy, for llama.cpp")
     args = p.parse_args()
     tok = json.loads((args.tokenizer / "tokenizer.json").read_text())
     vocab = len(tok["model"]["vocab"]) + len(tok["added_tokens"])
+    if args.vocab_from is not None:  # NOTE: the converter's token list: the table must have as many rows
+        vocab = len(gguf.GGUFReader(args.vocab_from).fields["tokenizer.ggml.tokens"].contents())
     ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
     eos = ids.get("<|im_end|>", ids.get("<|endoftext|>", 0))
     cfg = hf_config(args.hidden, args.layers, args.heads, args.kv_heads, args.ffn, vocab, not args.untied,
                     ids.get("<|im_start|>", eos), eos)
-    print(write_random_gguf(args.out, cfg, args.tokenizer))
+    print(write_random_gguf(args.out, cfg, args.tokenizer, vocab_from=args.vocab_from))
 
 
 if __name__ == "__main__":

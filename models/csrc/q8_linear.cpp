@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
-#include "quant_panels.h"
+#include "group_scales.h"
 
 namespace {
 
@@ -70,105 +70,6 @@ constexpr int Q8_ROWS = 4;
 constexpr int Q8_ROWS = 3;
 #endif
 
-#if defined(__AVX512BW__)
-typedef __m512i vq;
-inline vq load_q(const uint8_t* p) { return _mm512_loadu_si512(p); }
-inline vq bcast4(const int8_t* x) {
-  int32_t v;
-  std::memcpy(&v, x, 4);
-  return _mm512_set1_epi32(v);
-}
-inline vq zero_q() { return _mm512_setzero_si512(); }
-inline vq splat_q(int32_t v) { return _mm512_set1_epi32(v); }
-inline vq flip_signs(vq w) { return _mm512_xor_si512(w, _mm512_set1_epi8(-128)); }  // w + 128, as unsigned bytes
-// acc + per 32-bit lane the sum of 4 products of unsigned u and signed s bytes
-inline vq dot_us(vq acc, vq u, vq s) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(acc, u, s);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
-#endif
-}
-// the same for signed w: |w| times x with w's sign (|w| <= 128, |x| <= 127: no int16 overflow)
-inline vq dot_ss(vq acc, vq w, vq x) {
-  const __mmask64 negative = _mm512_movepi8_mask(w);
-  return dot_us(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x));
-}
-inline void nibbles(vq c, vq& lo, vq& hi) {
-  const vq mask = _mm512_set1_epi8(15);
-  lo = _mm512_and_si512(c, mask);
-  hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask);
-}
-inline vf to_float(vq i) { return (vf)_mm512_cvtepi32_ps(i); }
-// 4-bit codes: pairs of products summed in int16 lanes, several steps before one widening to int32
-inline vq pairs_us(vq u, vq s) { return _mm512_maddubs_epi16(u, s); }
-inline vq add16(vq a, vq b) { return _mm512_add_epi16(a, b); }
-inline vq widen16(vq acc, vq p) { return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1))); }
-#elif defined(__AVX2__)
-typedef __m256i vq;
-inline vq load_q(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline vq bcast4(const int8_t* x) {
-  int32_t v;
-  std::memcpy(&v, x, 4);
-  return _mm256_set1_epi32(v);
-}
-inline vq zero_q() { return _mm256_setzero_si256(); }
-inline vq dot_us(vq acc, vq u, vq s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-inline vq dot_ss(vq acc, vq w, vq x) { return dot_us(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
-inline void nibbles(vq c, vq& lo, vq& hi) {
-  const vq mask = _mm256_set1_epi8(15);
-  lo = _mm256_and_si256(c, mask);
-  hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
-}
-inline vf to_float(vq i) { return (vf)_mm256_cvtepi32_ps(i); }
-inline vq pairs_us(vq u, vq s) { return _mm256_maddubs_epi16(u, s); }
-inline vq add16(vq a, vq b) { return _mm256_add_epi16(a, b); }
-inline vq widen16(vq acc, vq p) { return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1))); }
-#else
-// the portable build: the same arithmetic, lane by lane
-struct vq {
-  alignas(16) uint8_t b[LANE_BYTES];
-  int32_t acc[W];
-};
-inline vq load_q(const uint8_t* p) {
-  vq v{};
-  std::memcpy(v.b, p, LANE_BYTES);
-  return v;
-}
-inline vq bcast4(const int8_t* x) {
-  vq v{};
-  for (int j = 0; j < W; ++j) std::memcpy(v.b + 4 * j, x, 4);
-  return v;
-}
-inline vq zero_q() { return vq{}; }
-inline vq dot_us(vq acc, vq u, vq s) {
-  for (int j = 0; j < W; ++j)
-    for (int t = 0; t < 4; ++t) acc.acc[j] += int32_t(u.b[4 * j + t]) * int32_t(int8_t(s.b[4 * j + t]));
-  return acc;
-}
-inline vq dot_ss(vq acc, vq w, vq x) {
-  for (int j = 0; j < W; ++j)
-    for (int t = 0; t < 4; ++t) acc.acc[j] += int32_t(int8_t(w.b[4 * j + t])) * int32_t(int8_t(x.b[4 * j + t]));
-  return acc;
-}
-inline void nibbles(vq c, vq& lo, vq& hi) {
-  for (int i = 0; i < LANE_BYTES; ++i) {
-    lo.b[i] = c.b[i] & 15;
-    hi.b[i] = c.b[i] >> 4;
-  }
-}
-inline vf to_float(vq i) {
-  vf v;
-  for (int j = 0; j < W; ++j) v[j] = float(i.acc[j]);
-  return v;
-}
-// declared only: PAIRS16 is off here, so nothing calls them
-vq pairs_us(vq u, vq s);
-vq add16(vq a, vq b);
-vq widen16(vq acc, vq p);
-#endif
 
 // 4-bit codes without VNNI: a block's products summed in int16 first (its 8 pairs per lane of at most
 // 15 x 127 x 2 each: 30,480 < 2^15), then widened once: half the multiplies of widening every step
@@ -187,8 +88,7 @@ constexpr bool PAIRS16 = false;
 constexpr bool FLIPPED_CODES = true;
 #else
 constexpr bool FLIPPED_CODES = false;
-vq splat_q(int32_t v);  // declared only: nothing calls them here
-vq flip_signs(vq w);
+vq flip_signs(vq w);  // declared only: nothing calls it here
 #endif
 
 // Quad tiles: rows that take a quad's four panels at once, one stream of codes (the pair tiles of Q8_ROWS rows
@@ -204,12 +104,15 @@ constexpr int64_t QUAD_MAX_ROWS = BITS == 8 && FLIPPED_CODES ? 8 : 1;
 
 struct Packed {
   const uint8_t* codes;
-  const void* scales;  // fp32 or fp16
-  const void* offsets;  // as scales, or nullptr (symmetric)
+  GroupScales scales;  // fp32, fp16 or superblock records (group_scales.h)
   int64_t k_dim, group, groups, panel_bytes, panels;
 
   const uint8_t* panel(int64_t p) const { return codes + panel_offset(p, panel_bytes, LANE_BYTES); }
   int64_t quads() const { return panels / QUAD; }
+  template <typename F>
+  vf scale(int64_t p, int64_t g) const { return scales.scale<F>(p, g); }
+  template <typename F>
+  vf offset(int64_t p, int64_t g) const { return scales.offset<F>(p, g); }
 };
 
 // A thread's activation buffers, kept between calls: a prefill's are megabytes, which fresh each call cost
@@ -250,17 +153,52 @@ void tile(const Acts& a, const Packed& w, int64_t p0, Y* y, int64_t n, const flo
   const uint8_t* codes[NP];
   for (int p = 0; p < NP; ++p) codes[p] = w.panel(p0 + p);
   for (int64_t g = 0; g < w.groups; ++g) {
-    vf s[NP];
-    for (int p = 0; p < NP; ++p) s[p] = load_scales<F::HALF>(w.scales, ((p0 + p) * w.groups + g) * W);
+    vf s[NP], o[NP];
+    for (int p = 0; p < NP; ++p) {
+      if constexpr (F::SUPER)  // NOTE: a record's words read once for both
+        w.scales.scale_offset<F>(p0 + p, g, s[p], o[p]);
+      else
+        s[p] = w.scale<F>(p0 + p, g);
+    }
     for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
       vq isum[R][NP];
       for (int r = 0; r < R; ++r)
         for (int p = 0; p < NP; ++p) {
           if constexpr (F::BITS == 8 && FLIPPED_CODES)
             isum[r][p] = splat_q(-128 * a.qs[r * a.blocks + b]);  // NOTE: takes back the flipped codes' 128s
+          else if constexpr (code_bias(F::BITS) != 0)
+            isum[r][p] = splat_q(-code_bias(F::BITS) * a.qs[r * a.blocks + b]);  // and the stored 6-bit codes' 32s
           else
             isum[r][p] = zero_q();
         }
+      if constexpr (planes(F::BITS)) {
+        // NOTE: a block of steps and its plane row (code_planes.h), the steps unrolled: each merges its own bits
+        constexpr int SPB = plane_steps(F::BITS);
+        vq plane[NP];
+        for (int p = 0; p < NP; ++p) {
+          const int64_t row = plane_row(F::BITS, b * SPB);  // NOTE: prefetched too: every row of the stream is
+          __builtin_prefetch(codes[p] + (row + PREFETCH_STEPS) * STEP_STRIDE, 0, PREFETCH_LOCALITY);
+          plane[p] = load_q(codes[p] + row * STEP_STRIDE);
+        }
+        const auto one = [&]<int I>() {
+          const int64_t step = b * SPB + I, k = step * KS, row = nibble_row(F::BITS, step);
+          vq x0[R], x1[R];
+          for (int r = 0; r < R; ++r) {
+            x0[r] = bcast4(a.q + r * a.k_dim + k);
+            x1[r] = bcast4(a.q + r * a.k_dim + k + 4);
+          }
+          for (int p = 0; p < NP; ++p) {
+            __builtin_prefetch(codes[p] + (row + PREFETCH_STEPS) * STEP_STRIDE, 0, PREFETCH_LOCALITY);
+            vq lo, hi;
+            nibbles(load_q(codes[p] + row * STEP_STRIDE), lo, hi);
+            merge_plane<F::BITS, I>(plane[p], lo, hi);
+            for (int r = 0; r < R; ++r) isum[r][p] = dot_us(dot_us(isum[r][p], lo, x0[r]), hi, x1[r]);
+          }
+        };
+        [&]<int... I>(std::integer_sequence<int, I...>) {
+          (one.template operator()<I>(), ...);
+        }(std::make_integer_sequence<int, SPB>{});
+      } else
       for (int64_t step = b * steps_per_block; step < (b + 1) * steps_per_block; ++step) {
         const int64_t k = step * KS;
         vq x0[R], x1[R];
@@ -299,8 +237,8 @@ void tile(const Acts& a, const Packed& w, int64_t p0, Y* y, int64_t n, const flo
     }
     if constexpr (F::OFFSET) {
       for (int p = 0; p < NP; ++p) {
-        const vf o = load_scales<F::HALF>(w.offsets, ((p0 + p) * w.groups + g) * W);
-        for (int r = 0; r < R; ++r) acc[r][p] += o * a.xq[r * a.groups + g];
+        if constexpr (!F::SUPER) o[p] = w.offset<F>(p0 + p, g);
+        for (int r = 0; r < R; ++r) acc[r][p] += o[p] * a.xq[r * a.groups + g];
       }
     }
   }
@@ -343,7 +281,7 @@ inline void configure_tiles(int64_t block) {
   } while (0)
 
 // A panel's codes as the code tiles take them: 8-bit codes as packed (a step is a tile row, steps
-// STEP_STRIDE apart); 4-bit codes unpacked once per call and panel into `rows` (LANE_BYTES apart)
+// STEP_STRIDE apart); 4-, 5- and 6-bit codes unpacked once per call and panel into `rows` (LANE_BYTES apart)
 template <int BITS>
 inline std::pair<const uint8_t*, int64_t> tile_codes(const uint8_t* panel, int64_t k_dim, uint8_t* rows) {
   if constexpr (BITS == 8) {
@@ -351,7 +289,7 @@ inline std::pair<const uint8_t*, int64_t> tile_codes(const uint8_t* panel, int64
   } else {
     for (int64_t s = 0; s < k_dim / 8; ++s) {
       vq lo, hi;
-      nibbles(load_q(panel + s * STEP_STRIDE), lo, hi);
+      step_codes<BITS>(panel, s, STEP_STRIDE, lo, hi);
       std::memcpy(rows + (2 * s) * LANE_BYTES, &lo, LANE_BYTES);
       std::memcpy(rows + (2 * s + 1) * LANE_BYTES, &hi, LANE_BYTES);
     }
@@ -395,16 +333,19 @@ void amx_tile(const Acts& a, const Packed& w, int64_t p, const uint8_t* codes, i
     }
     tile_wrote(sums);
     for (int64_t j = b0; j < b1; ++j) {
-      if (e == 0) s = load_scales<F::HALF>(w.scales, (p * w.groups + g) * W);
+      if (e == 0) s = w.scale<F>(p, g);
       const int32_t* isum = sums[j - b0][0];
       const float* d = a.d + j;
       // NOTE: tile<>'s steps, in its order: one multiply, then one add, per block and lane
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r)
-        acc[r] += to_float(load_q(reinterpret_cast<const uint8_t*>(isum + r * W))) * (s * d[r * a.blocks]);
+      for (int r = 0; r < R; ++r) {
+        vq sum = load_q(reinterpret_cast<const uint8_t*>(isum + r * W));
+        if constexpr (code_bias(F::BITS) != 0) sum = add_q(sum, splat_q(-code_bias(F::BITS) * a.qs[r * a.blocks + j]));
+        acc[r] += to_float(sum) * (s * d[r * a.blocks]);
+      }
       if (++e == blocks_per_group) {
         if constexpr (F::OFFSET) {
-          const vf o = load_scales<F::HALF>(w.offsets, (p * w.groups + g) * W);
+          const vf o = w.offset<F>(p, g);
 #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) acc[r] += o * a.xq[r * a.groups + g];
         }
@@ -424,7 +365,7 @@ void amx_rows(const Acts& a, const Packed& w, int64_t tiled, int64_t p0, int64_t
               const float* bias) {
   thread_local std::unique_ptr<uint8_t[]> rows_buf;
   thread_local int64_t rows_size = 0;
-  uint8_t* rows = scratch(rows_buf, rows_size, F::BITS == 4 ? a.k_dim * W : 0);
+  uint8_t* rows = scratch(rows_buf, rows_size, F::BITS != 8 ? a.k_dim * W : 0);
   configure_tiles(a.block);
   for (int64_t p = p0; p < p1; ++p) {
     const auto [codes, stride] = tile_codes<F::BITS>(w.panel(p), a.k_dim, rows);
@@ -456,13 +397,12 @@ void dequantize_panel(const Packed& w, int64_t p, uint16_t* rows) {
   const uint8_t* codes = w.panel(p);
   const int64_t steps_per_group = w.group / KS;
   for (int64_t g = 0; g < w.groups; ++g) {
-    const __m512 s = (__m512)load_scales<F::HALF>(w.scales, (p * w.groups + g) * W);
+    vf sv, ov;
+    w.scales.scale_offset<F>(p, g, sv, ov);
     __m512 S[4], O[4];
-    for (int i = 0; i < 4; ++i) S[i] = _mm512_permutexvar_ps(quarter[i], s);
-    if constexpr (F::OFFSET) {
-      const __m512 o = (__m512)load_scales<F::HALF>(w.offsets, (p * w.groups + g) * W);
-      for (int i = 0; i < 4; ++i) O[i] = _mm512_permutexvar_ps(quarter[i], o);
-    }
+    for (int i = 0; i < 4; ++i) S[i] = _mm512_permutexvar_ps(quarter[i], (__m512)sv);
+    if constexpr (F::OFFSET)
+      for (int i = 0; i < 4; ++i) O[i] = _mm512_permutexvar_ps(quarter[i], (__m512)ov);
     const auto weight = [&](__m512i code, int i) {
       const __m512 c = _mm512_cvtepi32_ps(code);
       if constexpr (F::OFFSET)
@@ -474,12 +414,22 @@ void dequantize_panel(const Packed& w, int64_t p, uint16_t* rows) {
       const uint8_t* c = codes + st * STEP_STRIDE;
       // NOTE: per lane, the step's inputs in fp32 lanes [lane][t]; two quarters rounded into one vector of bf16
       // pairs, whose even and odd pairs are the tile rows of inputs (t0, t1) and (t2, t3)
-      if constexpr (F::BITS == 4) {
+      if constexpr (F::BITS != 8) {
         __m512 lo[4], hi[4];
+        alignas(64) uint8_t lo_codes[LANE_BYTES], hi_codes[LANE_BYTES];  // the step's codes, as stored
+        {
+          vq l, h;
+          step_codes<F::BITS>(codes, st, STEP_STRIDE, l, h);
+          std::memcpy(lo_codes, &l, LANE_BYTES);
+          std::memcpy(hi_codes, &h, LANE_BYTES);
+        }
+        const __m512i bias = _mm512_set1_epi32(code_bias(F::BITS));
+        const auto widened = [&](const uint8_t* b) {  // 16 codes (four lanes' steps) as int32 values
+          return _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(b))), bias);
+        };
         for (int i = 0; i < 4; ++i) {
-          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * i)));
-          lo[i] = weight(_mm512_and_si512(v, _mm512_set1_epi32(15)), i);  // inputs k + t
-          hi[i] = weight(_mm512_srli_epi32(v, 4), i);  // inputs k + 4 + t
+          lo[i] = weight(widened(lo_codes + 16 * i), i);  // inputs k + t
+          hi[i] = weight(widened(hi_codes + 16 * i), i);  // inputs k + 4 + t
         }
         const __m512i l01 = (__m512i)_mm512_cvtne2ps_pbh(lo[1], lo[0]), l23 = (__m512i)_mm512_cvtne2ps_pbh(lo[3], lo[2]);
         const __m512i h01 = (__m512i)_mm512_cvtne2ps_pbh(hi[1], hi[0]), h23 = (__m512i)_mm512_cvtne2ps_pbh(hi[3], hi[2]);
@@ -590,6 +540,18 @@ template <typename F, typename Y>
 void run(const Packed& w, const Acts& a, int64_t m, void* out, int64_t n, const float* bias, int64_t u0, int64_t u1) {
   Y* y = static_cast<Y*>(out);
   static_assert(QUAD_MAX_ROWS<F::BITS> < AMX_ROWS, "quad tiles take calls too small for the AMX tiles");
+  if constexpr (F::SUPER) {
+    if (m > QUAD_ROWS<F::BITS>) {
+      // NOTE: more than one tile of rows: each panel's scales computed once per call and quad, not once per tile
+      // (Q4_K at 8 rows 1.11x the per-group fp32 form's time, per tile; 1.00x so); the same values, the same bits
+      thread_local std::unique_ptr<float[]> buf;
+      thread_local int64_t size = 0;
+      const int64_t np = QUAD * (u1 - u0);
+      Packed expanded = w;
+      expanded.scales = w.scales.expand<F>(QUAD * u0, np, scratch(buf, size, 2 * np * w.groups * W));
+      return run<Fmt<F::BITS, false, F::OFFSET>, Y>(expanded, a, m, out, n, bias, u0, u1);
+    }
+  }
   if (m <= QUAD_MAX_ROWS<F::BITS>) {
     static constexpr auto quad_tiles = tiles<F, Y, 4>(std::make_integer_sequence<int, QUAD_ROWS<F::BITS>>{});
     for (int64_t u = u0; u < u1; ++u)
@@ -618,9 +580,25 @@ void run(const Packed& w, const Acts& a, int64_t m, void* out, int64_t n, const 
 
 using RunFn = void (*)(const Packed&, const Acts&, int64_t, void*, int64_t, const float*, int64_t, int64_t);
 
-// A kernel's instance for each format (code width, fp16 scales, offsets): `make(Fmt<...>{})` names it
+// A kernel's instance for each format (code width, scale form, offsets): `make(Fmt<...>{})` names it. The
+// superblock form comes as 4-bit codes with mins (Q4_K) or 8-bit codes with (Q5_K) or without (Q6_K, Q3_K,
+// IQ4_XS); check_records refuses the rest.
 template <typename Fn, typename Make>
-Fn for_format(int64_t bits, bool half, bool offsets, Make make) {
+Fn for_format(int64_t bits, Form form, bool offsets, Make make) {
+  // NOTE: 5- and 6-bit codes only as GGUF gives them: Q6_K (records without mins, or their expansion), Q5_K
+  // (records with mins, or their expansion) and Q5_1 (fp16, offsets; none where every one is 0); linear() refuses
+  // the rest
+  if (bits == 6) return form == Form::SUPER ? make(Fmt<6, true, false, true>{}) : make(Fmt<6, false, false>{});
+  if (bits == 5) {
+    if (form == Form::SUPER) return make(Fmt<5, true, true, true>{});
+    if (!offsets) return form == Form::F16 ? make(Fmt<5, true, false>{}) : make(Fmt<5, false, false>{});
+    return form == Form::F16 ? make(Fmt<5, true, true>{}) : make(Fmt<5, false, true>{});
+  }
+  if (form == Form::SUPER) {
+    if (!offsets) return make(Fmt<8, true, false, true>{});
+    return bits == 4 ? make(Fmt<4, true, true, true>{}) : make(Fmt<8, true, true, true>{});
+  }
+  const bool half = form == Form::F16;
   const Fn fns[2][2][2] = {{{make(Fmt<4, false, false>{}), make(Fmt<4, false, true>{})},
                             {make(Fmt<4, true, false>{}), make(Fmt<4, true, true>{})}},
                            {{make(Fmt<8, false, false>{}), make(Fmt<8, false, true>{})},
@@ -629,8 +607,9 @@ Fn for_format(int64_t bits, bool half, bool offsets, Make make) {
 }
 
 template <typename Y>
-RunFn format_runner(int64_t bits, bool half, bool offsets) {
-  return for_format<RunFn>(bits, half, offsets, [](auto f) -> RunFn { return &run<decltype(f), Y>; });
+RunFn format_runner(int64_t bits, const Packed& w) {
+  return for_format<RunFn>(bits, w.scales.form, w.scales.offsets != nullptr,
+                           [](auto f) -> RunFn { return &run<decltype(f), Y>; });
 }
 
 // The activation block for a group size: 32, or the group itself when it is 16 (Q6_K).
@@ -686,15 +665,32 @@ void quantize_rows(const T* x, int64_t m, int64_t k_dim, int64_t block, int64_t 
 inline std::pair<int64_t, int> code_place(int64_t bits, int64_t j, int64_t k) {
   if (bits == 8) return {(k / 4) * STEP_STRIDE + 4 * j + k % 4, 0};
   const int64_t t = k % 8;
-  return {(k / 8) * STEP_STRIDE + 4 * j + t % 4, t < 4 ? 0 : 4};
+  return {nibble_row(int(bits), k / 8) * STEP_STRIDE + 4 * j + t % 4, t < 4 ? 0 : 4};
 }
 
+// Where the bits above the nibble of a 5- or 6-bit code lie (code_planes.h): its plane row's byte, and the shift
+inline std::pair<int64_t, int> high_place(int64_t bits, int64_t j, int64_t k) {
+  const int64_t s = k / 8, t = k % 8;
+  return {plane_row(int(bits), s) * STEP_STRIDE + 4 * j + t % 4,
+          plane_shift(int(bits), s % plane_steps(int(bits)), t < 4 ? 0 : 1)};
+}
+
+// `superblocks` (N, K / 256, bytes; group_scales.h pack_records): the superblock scale form from them, scale and
+// offset then only say which format it is (an offset: one with mins)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack(const at::Tensor& q, const at::Tensor& scale,
                                                     const std::optional<at::Tensor>& offset, int64_t bits,
-                                                    int64_t group) {
-  TORCH_CHECK(group % 32 == 0 || (bits == 8 && group == 16),
-              "8-bit activations need groups of a multiple of 32 (or 16 for 8-bit codes)");
-  return pack_panels<code_place, LANE_BYTES>(q, scale, offset, bits, group);
+                                                    int64_t group, const std::optional<at::Tensor>& superblocks) {
+  TORCH_CHECK(group % 32 == 0 || (bits >= 6 && group == 16),
+              "8-bit activations need groups of a multiple of 32 (or 16 for 8- and 6-bit codes)");
+  TORCH_CHECK(bits != 6 || group == 16, "6-bit codes come in groups of 16 (Q6_K)");
+  TORCH_CHECK(bits != 5 || group % 32 == 0, "5-bit codes come in groups of 32");
+  if (!superblocks.has_value()) return pack_panels<code_place, LANE_BYTES, high_place>(q, scale, offset, bits, group);
+  at::Tensor codes = pack_codes<code_place, LANE_BYTES, high_place>(q, bits);
+  TORCH_CHECK(superblocks->size(0) == q.size(0) && superblocks->size(1) * SUPER == q.size(1),
+              "superblocks must be (out_features, in_features / 256, bytes)");
+  auto [records, dmin] = pack_records(*superblocks, offset.has_value(), group, codes.size(0));
+  check_records(records, dmin, bits, group, q.size(1), codes.size(0));
+  return {codes, records, dmin};
 }
 
 // A call's tasks: whole quads of panels, and where a prefill's rows are many, chunks of `rows_per` rows (a
@@ -719,7 +715,7 @@ void run_tasks(int64_t m, int64_t quads, int64_t align, Task&& task, int64_t row
 }
 
 // y (M, N) from x (M, K) fp32 or bf16 rounded to int8 per block
-void int8_rows(const at::Tensor& xc, const Packed& w, int64_t bits, bool half, bool has_offsets, const at::Tensor& y,
+void int8_rows(const at::Tensor& xc, const Packed& w, int64_t bits, const at::Tensor& y,
                const float* bias) {
   const int64_t m = xc.size(0), k_dim = w.k_dim, block = act_block(w.group), n = y.size(1);
   const bool bf16 = xc.scalar_type() == at::kBFloat16;
@@ -738,7 +734,7 @@ void int8_rows(const at::Tensor& xc, const Packed& w, int64_t bits, bool half, b
   const Acts a{qx, d, xq, qs, k_dim, block, k_dim / block, w.groups};
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t item = y.element_size();
-  const auto fn = bf16 ? format_runner<c10::BFloat16>(bits, half, has_offsets) : format_runner<float>(bits, half, has_offsets);
+  const auto fn = bf16 ? format_runner<c10::BFloat16>(bits, w) : format_runner<float>(bits, w);
   // NOTE: on AMX, chunks of whole x tiles, so that only the call's last rows miss them
   run_tasks(m, w.quads(), TILES ? AMX_ROWS : 1, [&](int64_t u, int64_t r0, int64_t r1) {
     fn(w, a.rows_from(r0), r1 - r0, yp + r0 * n * item, n, bias, u, u + 1);
@@ -756,13 +752,13 @@ void bf16_quad(const uint16_t* x, int64_t m, const uint16_t* pad, const Packed& 
 using Bf16Fn = void (*)(const uint16_t*, int64_t, const uint16_t*, const Packed&, int64_t, void*, int64_t, const float*);
 
 template <typename Y>
-Bf16Fn bf16_runner(int64_t bits, bool half, bool offsets) {
-  return for_format<Bf16Fn>(bits, half, offsets, [](auto f) -> Bf16Fn { return &bf16_quad<decltype(f), Y>; });
+Bf16Fn bf16_runner(int64_t bits, const Packed& w) {
+  return for_format<Bf16Fn>(bits, w.scales.form, w.scales.offsets != nullptr,
+                            [](auto f) -> Bf16Fn { return &bf16_quad<decltype(f), Y>; });
 }
 
 // y (M, N) from x (M, K) in bf16 on the tiles
-void bf16_rows_of(const at::Tensor& xc, const Packed& w, int64_t bits, bool half, bool has_offsets,
-                  const at::Tensor& y, const float* bias) {
+void bf16_rows_of(const at::Tensor& xc, const Packed& w, int64_t bits, const at::Tensor& y, const float* bias) {
   const int64_t m = xc.size(0), k_dim = w.k_dim, n = y.size(1), tail = m % AMX_ROWS;
   const at::Tensor xb = xc.to(at::kBFloat16).contiguous();  // (M, K)
   const uint16_t* x = reinterpret_cast<const uint16_t*>(xb.data_ptr());
@@ -776,8 +772,7 @@ void bf16_rows_of(const at::Tensor& xc, const Packed& w, int64_t bits, bool half
   }
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t item = y.element_size();
-  const auto fn = y.scalar_type() == at::kBFloat16 ? bf16_runner<c10::BFloat16>(bits, half, has_offsets)
-                                                   : bf16_runner<float>(bits, half, has_offsets);
+  const auto fn = y.scalar_type() == at::kBFloat16 ? bf16_runner<c10::BFloat16>(bits, w) : bf16_runner<float>(bits, w);
   // NOTE: each task dequantizes its quad's codes: a narrow output's rows in fewer chunks than the int8 kernel's
   run_tasks(m, w.quads(), AMX_ROWS, [&](int64_t u, int64_t r0, int64_t r1) {
     fn(x + r0 * k_dim, r1 - r0, r1 == m ? pad_rows : nullptr, w, u, yp + r0 * n * item, n, bias);
@@ -785,7 +780,7 @@ void bf16_rows_of(const at::Tensor& xc, const Packed& w, int64_t bits, bool half
 }
 constexpr bool BF16_TILES = true;
 #else
-void bf16_rows_of(const at::Tensor&, const Packed&, int64_t, bool, bool, const at::Tensor&, const float*) {}
+void bf16_rows_of(const at::Tensor&, const Packed&, int64_t, const at::Tensor&, const float*) {}
 constexpr bool BF16_TILES = false;
 #endif
 
@@ -794,32 +789,35 @@ constexpr bool BF16_TILES = false;
 at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
                   const std::optional<at::Tensor>& bias, int64_t bits, int64_t group, int64_t out_features,
                   const std::optional<at::Tensor>& prompt_rows) {
-  const auto [m, groups] = check_packed(x, codes, scales, offsets, bits, group, out_features);
-  TORCH_CHECK(group % 32 == 0 || (bits == 8 && group == 16), "groups must be packed by this library");
+  const auto [m, groups] = check_packed(x, codes, scales, offsets, bits, group, out_features, true);
+  TORCH_CHECK(group % 32 == 0 || (bits == 8 && group == 16) || (bits == 6 && group == 16),
+              "groups must be packed by this library");
+  TORCH_CHECK(bits != 6 || (group == 16 && offsets.numel() == 0), "6-bit codes: groups of 16, no offsets (Q6_K)");
+  TORCH_CHECK(bits != 5 || group % 32 == 0, "5-bit codes: groups of 32 (Q5_K, Q5_1)");
   const int64_t k_dim = x.size(-1);
-  const bool half = scales.scalar_type() == at::kHalf, has_offsets = offsets.numel() > 0;
+  const bool has_offsets = offsets.numel() > 0;
   // NOTE: bf16 is read as it is (widened exactly in quantize_rows); other dtypes go through fp32
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor xc = (bf16 ? x : x.to(at::kFloat)).reshape({-1, k_dim}).contiguous();  // (M, K)
   // NOTE: bf16 rows give bf16 rows, rounded in the tile store as Tensor.to would round the fp32 ones
   const LinearOut out = linear_out(x, m, out_features, bias, bf16 ? at::kBFloat16 : at::kFloat);
-  const Packed w{codes.data_ptr<uint8_t>(), scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr, k_dim,
-                 group, groups, codes.size(1), codes.size(0)};
+  const GroupScales gs{scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr, groups, group, form_of(scales)};
+  const Packed w{codes.data_ptr<uint8_t>(), gs, k_dim, group, groups, codes.size(1), codes.size(0)};
   at::Tensor tiled;  // (P,) the prompt rows' indices
   if (prompt_rows.has_value())
     TORCH_CHECK(prompt_rows->numel() == m && prompt_rows->scalar_type() == at::kBool, "prompt_rows: (M,) bool");
   // NOTE: the tiles take inputs 32 at a time: a K of 16 x an odd number (groups of 16) stays on the int8 kernel
   if (BF16_TILES && prompt_rows.has_value() && m > 0 && k_dim % 32 == 0) tiled = prompt_rows->nonzero().view(-1);
   if (!tiled.defined() || tiled.numel() == 0) {
-    if (m > 0) int8_rows(xc, w, bits, half, has_offsets, out.y, out.bias_ptr());
+    if (m > 0) int8_rows(xc, w, bits, out.y, out.bias_ptr());
   } else if (tiled.numel() == m) {
-    bf16_rows_of(xc, w, bits, half, has_offsets, out.y, out.bias_ptr());
+    bf16_rows_of(xc, w, bits, out.y, out.bias_ptr());
   } else {
     const at::Tensor rest = prompt_rows->logical_not().nonzero().view(-1);
     at::Tensor y_tiled = at::empty({tiled.numel(), out_features}, out.y.options());
     at::Tensor y_rest = at::empty({rest.numel(), out_features}, out.y.options());
-    bf16_rows_of(xc.index_select(0, tiled), w, bits, half, has_offsets, y_tiled, out.bias_ptr());
-    int8_rows(xc.index_select(0, rest), w, bits, half, has_offsets, y_rest, out.bias_ptr());
+    bf16_rows_of(xc.index_select(0, tiled), w, bits, y_tiled, out.bias_ptr());
+    int8_rows(xc.index_select(0, rest), w, bits, y_rest, out.bias_ptr());
     out.y.index_copy_(0, tiled, y_tiled);
     out.y.index_copy_(0, rest, y_rest);
   }
@@ -831,5 +829,5 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
 TORCH_LIBRARY_IMPL(attnserve, CPU, m) {
   m.impl("q8_linear", &linear);
   m.impl("pack_q8", &pack);
-  m.impl("q8_rows", &unpack_rows<code_place, LANE_BYTES>);
+  m.impl("q8_rows", &unpack_rows<code_place, LANE_BYTES, high_place>);
 }

@@ -26,7 +26,7 @@
 #include <array>
 #include <vector>
 
-#include "quant_panels.h"
+#include "group_scales.h"
 
 namespace {
 

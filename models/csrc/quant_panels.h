@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "code_planes.h"
 #include "simd.h"
 
 namespace {
@@ -31,11 +32,12 @@ inline int64_t panel_offset(int64_t p, int64_t panel_bytes, int64_t lane_bytes) 
   return (p / QUAD) * QUAD * panel_bytes + (p % QUAD) * lane_bytes;
 }
 
-// A format: the codes' width, fp16 scales (and offsets), whether there are offsets
-template <int BITS_, bool HALF_, bool OFFSET_>
+// A format: the codes' width, fp16 scales (and offsets), whether there are offsets, whether the scales are
+// superblock records (group_scales.h)
+template <int BITS_, bool HALF_, bool OFFSET_, bool SUPER_ = false>
 struct Fmt {
   static constexpr int BITS = BITS_;
-  static constexpr bool HALF = HALF_, OFFSET = OFFSET_;
+  static constexpr bool HALF = HALF_, OFFSET = OFFSET_, SUPER = SUPER_;
 };
 
 // W scales (or offsets) of one panel and group
@@ -119,47 +121,68 @@ inline void row_blocks(int64_t rows, int max_rows, F&& f) {
 // first row, shift of its nibble). With LANE_BYTES (panel_offset's), all that packing and reading rows need.
 using CodePlace = std::pair<int64_t, int> (*)(int64_t bits, int64_t j, int64_t k);
 
-// Codes (N, K) int8 with (N, K / group) scales and offsets -> (codes, scales, offsets) in panels:
-// codes (panels, panel_bytes) uint8, each code where PLACE puts it; scales and offsets (panels, groups, W),
-// fp16 where every value is exactly one, else fp32; offsets empty when none.
-template <CodePlace PLACE, int64_t LANE_BYTES>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_panels(const at::Tensor& q, const at::Tensor& scale,
-                                                           const std::optional<at::Tensor>& offset, int64_t bits,
-                                                           int64_t group) {
+// Codes (N, K) int8 -> (panels, panel_bytes) uint8, each code where PLACE puts it (a 5- or 6-bit code's nibble;
+// its higher bits where HIGH does: code_planes.h), whole quads of panels zero padded (no tile ever reads past the
+// tensor). 6-bit codes are given as their values (-32..31) and stored + 32.
+template <CodePlace PLACE, int64_t LANE_BYTES, CodePlace HIGH = nullptr>
+at::Tensor pack_codes(const at::Tensor& q, int64_t bits) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "codes must be int8 (out_features, in_features)");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 8 || (HIGH != nullptr && planes(int(bits))), "bits must be 4 or 8",
+              HIGH != nullptr ? " (or 5, 6)" : "");
+  const int64_t lo = -code_bias(int(bits)), hi = (int64_t(1) << bits) - code_bias(int(bits));
+  TORCH_CHECK(bits == 8 || q.numel() == 0 || (q.min().item<int8_t>() >= lo && q.max().item<int8_t>() < hi),
+              bits, "-bit codes must be in ", lo, "..", hi - 1);
   const int64_t n = q.size(0), k_dim = q.size(1);
-  TORCH_CHECK(group > 0 && k_dim % group == 0, "in_features must be a multiple of the group size");
-  const int64_t groups = k_dim / group;
-  TORCH_CHECK(bits == 8 || q.numel() == 0 || (q.min().item<int8_t>() >= 0 && q.max().item<int8_t>() < 16),
-              "4-bit codes must be in 0..15");
-  TORCH_CHECK(scale.sizes() == at::IntArrayRef({n, groups}), "scale must be (out_features, in_features / group)");
-  const at::Tensor qc = q.contiguous(), sc = scale.to(at::kFloat).contiguous();
-  const at::Tensor oc = offset.has_value() ? offset->to(at::kFloat).contiguous() : at::zeros({n, groups}, sc.options());
-  TORCH_CHECK(oc.sizes() == sc.sizes(), "offset must be shaped like scale");
-  // NOTE: whole quads of panels, zero padded: no tile ever reads past the tensor
   const int64_t panels = (n + QUAD * W - 1) / (QUAD * W) * QUAD, panel_bytes = k_dim * W * bits / 8;
+  const at::Tensor qc = q.contiguous();
   at::Tensor codes = at::zeros({panels, panel_bytes}, q.options().dtype(at::kByte));
-  at::Tensor scales = at::zeros({panels, groups, W}, sc.options()), offsets = at::zeros({panels, groups, W}, sc.options());
   const int8_t* src = qc.data_ptr<int8_t>();
-  const float *s_src = sc.data_ptr<float>(), *o_src = oc.data_ptr<float>();
   uint8_t* dst = codes.data_ptr<uint8_t>();
-  float *s_dst = scales.data_ptr<float>(), *o_dst = offsets.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t j = 0; j < W && p * W + j < n; ++j) {
         uint8_t* panel = dst + panel_offset(p, panel_bytes, LANE_BYTES);
         const int8_t* row = src + (p * W + j) * k_dim;
         for (int64_t k = 0; k < k_dim; ++k) {
+          const int code = row[k] + code_bias(int(bits));
           const auto [byte, shift] = PLACE(bits, j, k);
-          panel[byte] |= uint8_t(row[k] << shift);  // NOTE: into zeros: an 8-bit code's byte is the code
-        }
-        for (int64_t g = 0; g < groups; ++g) {
-          s_dst[(p * groups + g) * W + j] = s_src[(p * W + j) * groups + g];
-          o_dst[(p * groups + g) * W + j] = o_src[(p * W + j) * groups + g];
+          // NOTE: into zeros: an 8-bit code's byte is the code
+          panel[byte] |= uint8_t((planes(int(bits)) ? code & 15 : code) << shift);
+          if constexpr (HIGH != nullptr) {
+            if (planes(int(bits))) {
+              const auto [high_byte, high_shift] = HIGH(bits, j, k);
+              panel[high_byte] |= uint8_t((code >> 4) << high_shift);
+            }
+          }
         }
       }
   });
+  return codes;
+}
+
+// Codes (N, K) int8 with (N, K / group) scales and offsets -> (codes, scales, offsets) in panels: pack_codes's
+// codes; scales and offsets (panels, groups, W), fp16 where every value is exactly one, else fp32; offsets
+// empty when none.
+template <CodePlace PLACE, int64_t LANE_BYTES, CodePlace HIGH = nullptr>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_panels(const at::Tensor& q, const at::Tensor& scale,
+                                                           const std::optional<at::Tensor>& offset, int64_t bits,
+                                                           int64_t group) {
+  at::Tensor codes = pack_codes<PLACE, LANE_BYTES, HIGH>(q, bits);
+  const int64_t n = q.size(0), k_dim = q.size(1), panels = codes.size(0);
+  TORCH_CHECK(group > 0 && k_dim % group == 0, "in_features must be a multiple of the group size");
+  const int64_t groups = k_dim / group;
+  TORCH_CHECK(scale.sizes() == at::IntArrayRef({n, groups}), "scale must be (out_features, in_features / group)");
+  const at::Tensor sc = scale.to(at::kFloat).contiguous();
+  const at::Tensor oc = offset.has_value() ? offset->to(at::kFloat).contiguous() : at::zeros({n, groups}, sc.options());
+  TORCH_CHECK(oc.sizes() == sc.sizes(), "offset must be shaped like scale");
+  at::Tensor scales = at::zeros({panels, groups, W}, sc.options()), offsets = at::zeros({panels, groups, W}, sc.options());
+  const float *s_src = sc.data_ptr<float>(), *o_src = oc.data_ptr<float>();
+  float *s_dst = scales.data_ptr<float>(), *o_dst = offsets.data_ptr<float>();
+  for (int64_t row = 0; row < n; ++row)
+    for (int64_t g = 0; g < groups; ++g) {
+      s_dst[((row / W) * groups + g) * W + row % W] = s_src[row * groups + g];
+      o_dst[((row / W) * groups + g) * W + row % W] = o_src[row * groups + g];
+    }
   // NOTE: fp16 only where it is exact, so packing never changes a weight
   const auto exact_half = [](const at::Tensor& t) { return t.to(at::kHalf).to(at::kFloat).eq(t).all().item<bool>(); };
   const bool has_offsets = offset.has_value() && offsets.ne(0).any().item<bool>();
@@ -168,76 +191,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_panels(const at::Tensor& q, 
     offsets = offsets.to(at::kHalf);
   }
   return {codes, scales, has_offsets ? offsets : at::empty({0}, scales.options())};
-}
-
-// The packed tensors' checks for a matrix of `k_dim` inputs and `out_features` outputs; returns its groups.
-inline int64_t check_panels(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
-                            int64_t group, int64_t k_dim, int64_t out_features) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(0) % QUAD == 0,
-              "codes must be packed by this library");
-  const bool half = scales.scalar_type() == at::kHalf, has_offsets = offsets.numel() > 0;
-  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == W && scales.is_contiguous() &&
-                  (half || scales.scalar_type() == at::kFloat) &&
-                  (!has_offsets || (offsets.sizes() == scales.sizes() && offsets.is_contiguous() &&
-                                    offsets.scalar_type() == scales.scalar_type())),
-              "scales and offsets must be packed by this library (panels of ", W, " features)");
-  const int64_t panels = codes.size(0), groups = scales.size(1);
-  TORCH_CHECK(codes.size(1) == k_dim * W * bits / 8 && groups * group == k_dim && scales.size(0) == panels,
-              "the weights do not take ", k_dim, " input features");
-  TORCH_CHECK(out_features > panels * W - QUAD * W && out_features <= panels * W,
-              "out_features does not match the panels");
-  return groups;
-}
-
-// The packed tensors' checks against x; returns (M rows, groups).
-inline std::pair<int64_t, int64_t> check_packed(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                                                const at::Tensor& offsets, int64_t bits, int64_t group,
-                                                int64_t out_features) {
-  const int64_t k_dim = x.size(-1), groups = check_panels(codes, scales, offsets, bits, group, k_dim, out_features);
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
-  return {x.numel() / std::max<int64_t>(k_dim, 1), groups};
-}
-
-// Rows `ids` of a packed (N, K) matrix as fp32 (T, K): each code times its scale, then plus its offset
-// (models/quant_formats.py dequantize_codes, op for op), for an embedding that reads a tied LM head's panels
-// (models/quant_linear.py QuantEmbedding); the op `quant_rows` / `q8_rows` of the file whose layout it reads.
-template <CodePlace PLACE, int64_t LANE_BYTES>
-at::Tensor unpack_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
-                       const at::Tensor& ids, int64_t bits, int64_t group, int64_t k_dim, int64_t n) {
-  const int64_t groups = check_panels(codes, scales, offsets, bits, group, k_dim, n);
-  const bool half = scales.scalar_type() == at::kHalf, has_offsets = offsets.numel() > 0;
-  TORCH_CHECK(ids.scalar_type() == at::kLong, "ids must be int64");
-  const at::Tensor idx = ids.contiguous().view(-1);
-  const int64_t t = idx.numel(), panel_bytes = codes.size(1);
-  const int64_t* ip = idx.data_ptr<int64_t>();
-  for (int64_t r = 0; r < t; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "id ", ip[r], " out of range for ", n, " rows");
-  at::Tensor out = at::empty({t, k_dim}, codes.options().dtype(at::kFloat));
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const void* sp = scales.data_ptr();
-  const void* fp = has_offsets ? offsets.data_ptr() : nullptr;
-  float* op = out.data_ptr<float>();
-  const auto value = [half](const void* table, int64_t at) {
-    return half ? float(static_cast<const at::Half*>(table)[at]) : static_cast<const float*>(table)[at];
-  };
-  at::parallel_for(0, t, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t p = ip[r] / W, j = ip[r] % W;
-      const uint8_t* panel = cp + panel_offset(p, panel_bytes, LANE_BYTES);
-      for (int64_t g = 0; g < groups; ++g) {
-        const float scale = value(sp, (p * groups + g) * W + j);
-        const float offset = has_offsets ? value(fp, (p * groups + g) * W + j) : 0.f;
-        for (int64_t k = g * group; k < (g + 1) * group; ++k) {
-          const auto [byte, shift] = PLACE(bits, j, k);
-          const int code = bits == 8 ? int(int8_t(panel[byte])) : (panel[byte] >> shift) & 15;
-          float w = float(code) * scale;
-          if (has_offsets) w = w + offset;  // NOTE: two roundings, as the reference's (no fused multiply-add)
-          op[r * k_dim + k] = w;
-        }
-      }
-    }
-  });
-  return out;
 }
 
 }  // namespace

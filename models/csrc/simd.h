@@ -128,6 +128,19 @@ inline void store_bf16(void* p, vf v) {
   std::memcpy(p, &h, sizeof h);
 }
 
+// W signed bytes widened to floats (exactly): the vector extensions' convert went lane by lane here
+inline vf load_i8_f(const void* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p))));
+#else
+  vf v;
+  for (int j = 0; j < W; ++j) v[j] = float(static_cast<const int8_t*>(p)[j]);
+  return v;
+#endif
+}
+
 inline vf load_f(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof v);
@@ -166,5 +179,160 @@ inline vf exp_vf(vf y) {
   const vf e = p * two_n;
   return under ? vf{} : over ? splat(__builtin_inff()) : e;
 }
+
+// Byte vectors of one register (W lanes x 4 bytes) and their integer dot products: what the 8-bit-activation
+// kernels (q8_linear.cpp) multiply codes with. dot_us: per 32-bit lane, acc + the 4 products of unsigned u and
+// signed s bytes (AVX-512 VNNI: vpdpbusd; AVX2 and AVX-512BW: vpmaddubsw + vpmaddwd); dot_ss the same for signed
+// w (|w| times x with w's sign). The portable build does the same arithmetic lane by lane.
+#if defined(__AVX512BW__)
+typedef __m512i vq;
+inline vq load_q(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline vq bcast4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+inline vq zero_q() { return _mm512_setzero_si512(); }
+inline vq splat_q(int32_t v) { return _mm512_set1_epi32(v); }
+inline vq flip_signs(vq w) { return _mm512_xor_si512(w, _mm512_set1_epi8(-128)); }  // w + 128, as unsigned bytes
+// acc + per 32-bit lane the sum of 4 products of unsigned u and signed s bytes
+inline vq dot_us(vq acc, vq u, vq s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+// the same for signed w: |w| times x with w's sign (|w| <= 128, |x| <= 127: no int16 overflow)
+inline vq dot_ss(vq acc, vq w, vq x) {
+  const __mmask64 negative = _mm512_movepi8_mask(w);
+  return dot_us(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x));
+}
+inline void nibbles(vq c, vq& lo, vq& hi) {
+  const vq mask = _mm512_set1_epi8(15);
+  lo = _mm512_and_si512(c, mask);
+  hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask);
+}
+inline vf to_float(vq i) { return (vf)_mm512_cvtepi32_ps(i); }
+// 4-bit codes: pairs of products summed in int16 lanes, several steps before one widening to int32
+inline vq pairs_us(vq u, vq s) { return _mm512_maddubs_epi16(u, s); }
+inline vq add16(vq a, vq b) { return _mm512_add_epi16(a, b); }
+inline vq widen16(vq acc, vq p) { return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1))); }
+inline vq add_q(vq a, vq b) { return _mm512_add_epi32(a, b); }
+inline vq and_q(vq a, vq b) { return _mm512_and_si512(a, b); }
+inline vq or_q(vq a, vq b) { return _mm512_or_si512(a, b); }
+inline vq splat8(uint8_t v) { return _mm512_set1_epi8(char(v)); }
+template <int S>  // 16-bit lanes shifted left by S (right by -S)
+inline vq shift16(vq v) {
+  if constexpr (S >= 0) return _mm512_slli_epi16(v, S);
+  else return _mm512_srli_epi16(v, -S);
+}
+#elif defined(__AVX2__)
+typedef __m256i vq;
+inline vq load_q(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vq bcast4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm256_set1_epi32(v);
+}
+inline vq zero_q() { return _mm256_setzero_si256(); }
+inline vq dot_us(vq acc, vq u, vq s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+inline vq dot_ss(vq acc, vq w, vq x) { return dot_us(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+inline void nibbles(vq c, vq& lo, vq& hi) {
+  const vq mask = _mm256_set1_epi8(15);
+  lo = _mm256_and_si256(c, mask);
+  hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
+}
+inline vf to_float(vq i) { return (vf)_mm256_cvtepi32_ps(i); }
+inline vq pairs_us(vq u, vq s) { return _mm256_maddubs_epi16(u, s); }
+inline vq add16(vq a, vq b) { return _mm256_add_epi16(a, b); }
+inline vq widen16(vq acc, vq p) { return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1))); }
+inline vq splat_q(int32_t v) { return _mm256_set1_epi32(v); }
+inline vq add_q(vq a, vq b) { return _mm256_add_epi32(a, b); }
+inline vq and_q(vq a, vq b) { return _mm256_and_si256(a, b); }
+inline vq or_q(vq a, vq b) { return _mm256_or_si256(a, b); }
+inline vq splat8(uint8_t v) { return _mm256_set1_epi8(char(v)); }
+template <int S>
+inline vq shift16(vq v) {
+  if constexpr (S >= 0) return _mm256_slli_epi16(v, S);
+  else return _mm256_srli_epi16(v, -S);
+}
+#else
+// the portable build: the same arithmetic, lane by lane
+struct vq {
+  alignas(16) uint8_t b[W * 4];
+  int32_t acc[W];
+};
+inline vq load_q(const uint8_t* p) {
+  vq v{};
+  std::memcpy(v.b, p, W * 4);
+  return v;
+}
+inline vq bcast4(const int8_t* x) {
+  vq v{};
+  for (int j = 0; j < W; ++j) std::memcpy(v.b + 4 * j, x, 4);
+  return v;
+}
+inline vq zero_q() { return vq{}; }
+inline vq dot_us(vq acc, vq u, vq s) {
+  for (int j = 0; j < W; ++j)
+    for (int t = 0; t < 4; ++t) acc.acc[j] += int32_t(u.b[4 * j + t]) * int32_t(int8_t(s.b[4 * j + t]));
+  return acc;
+}
+inline vq dot_ss(vq acc, vq w, vq x) {
+  for (int j = 0; j < W; ++j)
+    for (int t = 0; t < 4; ++t) acc.acc[j] += int32_t(int8_t(w.b[4 * j + t])) * int32_t(int8_t(x.b[4 * j + t]));
+  return acc;
+}
+inline void nibbles(vq c, vq& lo, vq& hi) {
+  for (int i = 0; i < W * 4; ++i) {
+    lo.b[i] = c.b[i] & 15;
+    hi.b[i] = c.b[i] >> 4;
+  }
+}
+inline vf to_float(vq i) {
+  vf v;
+  for (int j = 0; j < W; ++j) v[j] = float(i.acc[j]);
+  return v;
+}
+inline vq splat_q(int32_t v) {
+  vq q{};
+  for (int j = 0; j < W; ++j) q.acc[j] = v;
+  return q;
+}
+inline vq add_q(vq a, vq b) {
+  for (int j = 0; j < W; ++j) a.acc[j] += b.acc[j];
+  return a;
+}
+inline vq and_q(vq a, vq b) {
+  for (int i = 0; i < W * 4; ++i) a.b[i] &= b.b[i];
+  return a;
+}
+inline vq or_q(vq a, vq b) {
+  for (int i = 0; i < W * 4; ++i) a.b[i] |= b.b[i];
+  return a;
+}
+inline vq splat8(uint8_t v) {
+  vq q{};
+  std::memset(q.b, v, sizeof q.b);
+  return q;
+}
+template <int S>
+inline vq shift16(vq v) {
+  for (int i = 0; i < W * 4; i += 2) {
+    uint16_t h;
+    std::memcpy(&h, v.b + i, 2);
+    h = S >= 0 ? uint16_t(h << S) : uint16_t(h >> -S);
+    std::memcpy(v.b + i, &h, 2);
+  }
+  return v;
+}
+// declared only: PAIRS16 is off here, so nothing calls them
+vq pairs_us(vq u, vq s);
+vq add16(vq a, vq b);
+vq widen16(vq acc, vq p);
+#endif
 
 }  // namespace
