@@ -16,7 +16,10 @@ TTFT p50/p99, ITL p50/p99, errors.
 each, exactly --max-tokens greedy tokens (EOS ignored), --bursts times with new prompts (no prefix
 cache hits across bursts); output tokens/s is the median over bursts. attnserve_inprocess runs the
 same bursts through `LLMEngine` in a process of its own with `attnserve serve`'s engine settings:
-attnserve HTTP / in-process is the serving efficiency. Systems: attnserve, attnserve_inprocess, vllm.
+attnserve HTTP / in-process is the serving efficiency. Systems: attnserve, attnserve_inprocess, vllm,
+llama_server (llama.cpp's, `make peers`, with --burst-requests slots; --model a GGUF file:
+    python loadtests/compare_http.py --mode burst --model .models/llama-3.2-1b/Q4_K_M/model.gguf \
+        --systems attnserve,llama_server).
 In both modes the last column is attnserve's output tokens/s over each system's.
 """
 from __future__ import annotations
@@ -44,16 +47,28 @@ from models.loader import serving_dtype  # noqa: E402
 from models.native.cpu_path import DTYPES  # noqa: E402
 
 SYSTEMS = ("attnserve", "vllm", "transformers_serve_cb", "transformers_serve")
-BURST_SYSTEMS = ("attnserve", "attnserve_inprocess", "vllm")
+BURST_SYSTEMS = ("attnserve", "attnserve_inprocess", "vllm", "llama_server")
+LLAMA_SERVER = ROOT / ".peers" / "llama.cpp-native" / "bin" / "llama-server"  # `make peers`
 # NOTE: burst_wall_s (burst mode) and serving_efficiency (burst, attnserve's row) are None where they don't apply
 KEYS = ("requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "errors",
         "burst_wall_s", "serving_efficiency")
 
 
+def gguf_of(model: Path) -> Path | None:
+    """The GGUF file a model is, or holds as model.gguf (what llama-server takes); None for safetensors."""
+    if model.suffix == ".gguf":
+        return model
+    return model / "model.gguf" if (model / "model.gguf").exists() else None
+
+
 def server(system: str, model_dir: Path, port: int, dtype: str, threads: int,
-           peers_venv: Path = PEERS_VENV) -> tuple[list[str], str, dict]:
-    """(command, model field for requests, env)."""
+           peers_venv: Path = PEERS_VENV, slots: int = 16) -> tuple[list[str], str, dict]:
+    """(command, model field for requests, env). llama_server: `slots` parallel sequences (-np), each with room
+    for a burst's prompt and completion."""
     env = {"OMP_NUM_THREADS": str(threads)}
+    if system == "llama_server":
+        return [str(LLAMA_SERVER), "-m", str(gguf_of(model_dir)), "-t", str(threads), "-np", str(slots),
+                "-c", str(slots * 1024), "--host", "127.0.0.1", "--port", str(port), "--no-webui"], "default", {}
     if system == "attnserve":
         return attnserve_cmd({"default": str(model_dir)}, port, ["--dtype", dtype, "--threads", str(threads)]), "default", env
     if system == "vllm":  # NOTE: no OMP_NUM_THREADS: it would keep vLLM's frontend and engine core multi-threaded
@@ -142,9 +157,16 @@ def main(argv: list[str] | None = None) -> dict:
     for system in systems:
         out = Path(args.out) / system
         python = Path(args.peers_venv) / "bin" / "python"
+        skipped = None
         if system == "vllm" and not python.exists():
-            results[system] = {"skipped": f"{python} not found: run `make peers` to install vLLM's CPU build"}
-            print(f"{system}: skipped: {results[system]['skipped']}", flush=True)
+            skipped = f"{python} not found: run `make peers` to install vLLM's CPU build"
+        elif system == "llama_server" and not LLAMA_SERVER.exists():
+            skipped = f"{LLAMA_SERVER} not found: run `make peers` to build llama.cpp"
+        elif system == "llama_server" and gguf_of(model_dir) is None:
+            skipped = f"{model_dir} is no GGUF file: llama-server reads only those"
+        if skipped:
+            results[system] = {"skipped": skipped}
+            print(f"{system}: skipped: {skipped}", flush=True)
             continue
         if system == "attnserve_inprocess":
             walls = inprocess_bursts(model_dir, args.dtype, args.threads, warm, bursts, args.max_tokens,
@@ -152,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
             results[system] = burst_summary(walls, args.burst_requests, args.max_tokens)
         else:
             port = free_port()
-            cmd, model, env = server(system, model_dir, port, args.dtype, args.threads, Path(args.peers_venv))
+            cmd, model, env = server(system, model_dir, port, args.dtype, args.threads, Path(args.peers_venv),
+                                     args.burst_requests)
             url = f"http://127.0.0.1:{port}"
             with running(cmd, url, out / "server.log", env=env):
                 if args.mode == "burst":

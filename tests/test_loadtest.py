@@ -50,6 +50,20 @@ def test_compare_http_burst_prompts_vllm_command_and_skip(tiny_checkpoints, tmp_
     assert set(KEYS) <= set(row) and row["output_tokens_per_s"] is None and "make peers" in row["skipped"]
 
 
+def test_compare_http_llama_server_command_and_skip(tiny_checkpoints, tmp_path, capsys):
+    """llama-server gets the GGUF file, a slot per burst request and the threads; a safetensors model skips it."""
+    from loadtests.compare_http import gguf_of, main, server
+
+    (tmp_path / "model.gguf").write_bytes(b"")
+    cmd, model, _ = server("llama_server", tmp_path, 8000, "bfloat16", 2, slots=16)
+    assert cmd[cmd.index("-m") + 1] == str(tmp_path / "model.gguf") and cmd[cmd.index("-np") + 1] == "16"
+    assert cmd[cmd.index("-t") + 1] == "2" and cmd[cmd.index("--port") + 1] == "8000" and model == "default"
+    assert gguf_of(tmp_path / "model.gguf") == tmp_path / "model.gguf" and gguf_of(tiny_checkpoints["llama"]) is None
+    main(["--mode", "burst", "--systems", "llama_server", "--model", str(tiny_checkpoints["llama"]),
+          "--out", str(tmp_path / "out")])
+    assert "llama_server: skipped" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_short_headless_locust_run(serve_url, tmp_path):
     from matplotlib.image import imread
