@@ -235,12 +235,13 @@ def _d_and_scales(d: np.ndarray, sc: np.ndarray) -> np.ndarray:
 
 
 # (B, type_size) blocks -> (B, bytes) superblocks: with mins, the block's first 16 bytes (d, dmin, 12 bytes of
-# 6-bit scales and mins); without, d then one int8 scale per group (models/csrc/group_scales.h)
+# 6-bit scales and mins); IQ4_XS's first 8 (d and its 6-bit scales); else d then one int8 scale per group
+# (models/csrc/group_scales.h)
 _SUPERBLOCKS = {
     T.Q4_K: lambda b: b[:, :16], T.Q5_K: lambda b: b[:, :16],
     T.Q6_K: lambda b: _d_and_scales(b[:, 208:210], b[:, 192:208]),
     T.Q3_K: lambda b: _d_and_scales(b[:, 108:110], _q3_k_scales(b)),
-    T.IQ4_XS: lambda b: _d_and_scales(b[:, :2], _iq4_xs_scales(b)),
+    T.IQ4_XS: lambda b: b[:, :8],
 }
 _OFFSET_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K, T.Q2_K})  # decoders that give offsets
 _NATIVE_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K})  # gguf_codes's

@@ -77,7 +77,7 @@ class QuantLinear(nn.Module):
         if self.mode == "packed":
             self.bits = packed_bits(weight, self.int8_activations)
             codes, scales, offsets = pack_by_rows(weight, self.int8_activations)
-            self.register_buffer("codes", codes, persistent=False)  # (panels, K * W * self.bits / 8) uint8
+            self.register_buffer("codes", codes, persistent=False)  # (panels, K * W * |self.bits| / 8) uint8
             # (panels, groups, W) fp32 or fp16; or a K-quant's superblock records (panels, K / 256, bytes) uint8
             self.register_buffer("scales", scales, persistent=False)
             self.register_buffer("offsets", offsets, persistent=False)  # like scales (records: dmin), or (0,): none
@@ -172,13 +172,16 @@ PACK_ROWS = 256  # rows per chunk: whole quads of panels at any lane count (W = 
 PACK_WEIGHTS = 1 << 20  # a chunk's weights: its decode holds ~10 bytes a weight for a moment
 
 
-PLANE_BITS = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5}  # kinds whose codes the int8 kernel keeps in their own bits
+TABLE_CODES = -4  # `bits` of IQ4's codes as 4-bit indices into its table (models/csrc/code_planes.h TABLE)
+# kinds whose codes the int8 kernel keeps in their files' bits
+OWN_BITS = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5, "IQ4_XS": TABLE_CODES, "IQ4_NL": TABLE_CODES}
 
 
 def packed_bits(weight: RowSource, int8: bool) -> int:
-    """The code width a kernel holds `weight` in: Q6_K's and Q5's codes in 6 and 5 bits for the 8-bit-activation
-    kernel (models/csrc/code_planes.h: their files' widths, where 8-bit codes took 8), else the weight's own."""
-    return PLANE_BITS.get(weight.kind, weight.bits) if int8 else weight.bits
+    """The code form a kernel holds `weight` in: for the 8-bit-activation kernel, Q6_K's and Q5's codes in 6 and 5
+    bits and IQ4's as table indices (models/csrc/code_planes.h: their files' widths, where 8-bit codes took 8);
+    else the weight's own bits."""
+    return OWN_BITS.get(weight.kind, weight.bits) if int8 else weight.bits
 
 
 def _pack(w: QuantizedTensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

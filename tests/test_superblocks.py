@@ -1,7 +1,7 @@
 """GGUF types held in their files' bytes by the 8-bit-activation kernel: K-quant scales as the files store them
-(models/csrc/group_scales.h, the superblock form) and 5- and 6-bit codes in their own bits (models/csrc/code_planes.h).
-The same weights, bit for bit, as the 8-bit codes with fp32 per-group scales they replace; Q4_K, Q5_K and Q6_K in
-exactly their files' bytes. make test-isa runs this file under the AVX2 cap, on the portable build and on emulated
+(models/csrc/group_scales.h, the superblock form), 5- and 6-bit codes in their own bits and IQ4's codes as 4-bit
+indices into its table (models/csrc/code_planes.h). The same weights, bit for bit, as the 8-bit codes with fp32
+per-group scales they replace; Q4_K, Q5_K, Q6_K, IQ4_XS and IQ4_NL in exactly their files' bytes. make test-isa runs this file under the AVX2 cap, on the portable build and on emulated
 AMX tiles."""
 import gguf
 import numpy as np
@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 
 from models.native.libraries import load
 from models.quant_formats import GGUFRows, RowStack, from_gguf
-from models.quant_linear import QuantEmbedding, QuantLinear, packed_bits
+from models.quant_linear import TABLE_CODES, QuantEmbedding, QuantLinear, packed_bits
 from tests.random_gguf import random_blocks
 from tests.test_q8_linear import ROWS, act_block, rounded_activations
 from tests.test_quant_linear import assert_rows_alone
@@ -21,7 +21,8 @@ from tests.test_quant_linear import assert_rows_alone
 pytestmark = [pytest.mark.kernel, pytest.mark.tiles]
 
 TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.IQ4_XS]  # every type whose decoder gives superblocks
-SIGNED = {T.Q6_K, T.Q3_K, T.IQ4_XS}  # d of either sign (their scales are signed too)
+OWN = TYPES + [T.IQ4_NL]  # and IQ4_NL, its table codes with fp16 scales per 32
+SIGNED = {T.Q6_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL}  # d of either sign (their scales are signed too)
 N, K = 100, 1024  # 100 features: not a multiple of a panel pair at any width
 
 
@@ -42,13 +43,14 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("kind", OWN, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", ROWS)
 def test_superblock_scales_give_the_reference_weights_bit_for_bit(kind, m):
     blocks = raw(kind, seed=m)
     w = from_gguf(blocks, kind, (N, K))
     generic, records = packs(w)
-    assert records[1].dtype == torch.uint8 and records[1].shape[1] == K // 256
+    if kind in TYPES:
+        assert records[1].dtype == torch.uint8 and records[1].shape[1] == K // 256
     g = torch.Generator().manual_seed(m)
     x, b = torch.randn(m, K, generator=g), torch.randn(N, generator=g)
     bits = packed_bits(w, True)
@@ -65,7 +67,7 @@ def test_superblock_scales_give_the_reference_weights_bit_for_bit(kind, m):
     assert (y - F.linear(xq, dense, b.double())).abs().max() <= 1e-5 * F.linear(xq.abs(), dense.abs()).max()
 
 
-@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("kind", OWN, ids=lambda t: t.name)
 def test_rows_read_out_of_the_records_are_the_dequantized_rows(kind):
     w = from_gguf(raw(kind, seed=3), kind, (N, K))
     _, records = packs(w)
@@ -77,17 +79,18 @@ def test_rows_read_out_of_the_records_are_the_dequantized_rows(kind):
 def test_k_quants_are_held_in_their_files_bytes_and_the_8_bit_coded_types_in_fewer_than_before():
     n = 256  # whole quads of panels at every width: no padding
     sizes = {}
-    for kind in TYPES:
+    for kind in OWN:
         w = from_gguf(raw(kind, n=n), kind, (n, K))
         generic, records = packs(w)
         sizes[kind] = nbytes(records)
         assert sizes[kind] < nbytes(generic)
-    for kind in (T.Q4_K, T.Q5_K, T.Q6_K):  # 4.5, 5.5 and 6.56 bits a weight, where they took 6, 10 and 10
+    # 4.5, 5.5, 6.56, 4.25 and 4.5 bits a weight, where they took 6, 10, 10, 9 and 9
+    for kind in (T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.IQ4_NL):
         block, type_size = GGML_QUANT_SIZES[kind]
         assert sizes[kind] == n * K // block * type_size, kind.name
 
 
-@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K, T.IQ4_XS], ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_is_the_same_bits_whatever_the_rows_beside_it(kind, dtype):
     layer = QuantLinear(GGUFRows(raw(kind, seed=5), kind, K), torch.randn(N), dtype, activations="int8")
@@ -137,3 +140,10 @@ def test_codes_out_of_their_width_are_refused():
     q = torch.full((4, 256), 40, dtype=torch.int8)  # 6-bit codes are -32..31
     with pytest.raises(RuntimeError, match="6-bit codes must be in -32..31"):
         torch.ops.attnserve.pack_q8(q, torch.ones(4, 16), None, 6, 16)
+
+
+def test_values_off_the_table_are_refused():
+    load("q8_linear")
+    q = torch.full((4, 256), 2, dtype=torch.int8)  # IQ4's values are -127, -104, ..., 1, 13, ...: not 2
+    with pytest.raises(RuntimeError, match="table codes must be IQ4_NL's values"):
+        torch.ops.attnserve.pack_q8(q, torch.ones(4, 8), None, TABLE_CODES, 32)

@@ -9,6 +9,10 @@
 // the top two bits of step i's code t + 4h. A block is the activation block of its format (32 and 16 inputs).
 // 6-bit codes are stored as code + 32 (Q6_K's are -32..31) and the kernels take the 32s back from the integer
 // sums exactly (32 x the block's sum of x); 5-bit codes are unsigned (Q5_K, Q5_1: 0..31, with offsets).
+//
+// IQ4_NL's and IQ4_XS's codes are a table's values (16 int8s, non-uniform): held as their 4-bit indices
+// (`bits` = TABLE), laid out as 4-bit codes, and looked up per step with a byte shuffle (vpshufb), where 8-bit codes
+// of the values took twice the bytes.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +21,11 @@
 
 namespace {
 
+constexpr int TABLE = -4;  // `bits` of table codes: 4-bit indices into TABLE_VALUES
+inline constexpr int8_t TABLE_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr int code_width(int bits) { return bits == TABLE ? 4 : bits; }  // bits a code takes in the panel
 constexpr bool planes(int bits) { return bits == 5 || bits == 6; }
+constexpr bool own_width(int bits) { return planes(bits) || bits == TABLE; }  // the int8 kernel's forms only
 constexpr int plane_steps(int bits) { return bits == 5 ? 4 : bits == 6 ? 2 : 1; }  // steps per block
 constexpr int code_bias(int bits) { return bits == 6 ? 32 : 0; }  // stored code - value
 
@@ -44,10 +52,23 @@ inline void merge_plane(vq plane, vq& lo, vq& hi) {
   hi = or_q(hi, and_q(shift16<4 - HI>(plane), splat8(MASK)));
 }
 
-// Step s's 8-bit codes of one panel (stored values, unsigned): lo for inputs k + t, hi for k + 4 + t
+// Table codes' index (0..15) of a value, or -1 where it is none of TABLE_VALUES
+inline int table_index(int value) {
+  for (int i = 0; i < 16; ++i)
+    if (TABLE_VALUES[i] == value) return i;
+  return -1;
+}
+
+// Step s's 8-bit codes of one panel (stored values, unsigned; table codes: their values, signed): lo for inputs
+// k + t, hi for k + 4 + t
 template <int BITS>
 inline void step_codes(const uint8_t* panel, int64_t s, int64_t stride, vq& lo, vq& hi) {
   nibbles(load_q(panel + nibble_row(BITS, s) * stride), lo, hi);
+  if constexpr (BITS == TABLE) {
+    const vq table = table16(TABLE_VALUES);
+    lo = lookup16(table, lo);
+    hi = lookup16(table, hi);
+  }
   if constexpr (planes(BITS)) {
     const vq plane = load_q(panel + plane_row(BITS, s) * stride);
     const int64_t i = s % plane_steps(BITS);

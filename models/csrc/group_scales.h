@@ -11,8 +11,9 @@
 //   with mins (Q4_K, Q5_K: groups of 32): d (W fp16), then the 12 scale bytes of each lane as three
 //     little-endian words, word t of every lane before word t + 1 (3 x W uint32): 14 W bytes; and dmin in the
 //     offsets tensor (W fp16 per record). Group i's 6-bit scale and min: ggml's get_scale_min_k4.
-//   without (Q6_K, Q3_K: groups of 16; IQ4_XS: 32): d (W fp16), then each group's signed scale (W int8 per
-//     group): (2 + 256 / group) W bytes.
+//   without, groups of 16 (Q6_K, Q3_K): d (W fp16), then each group's signed scale (W int8 per group): 18 W bytes;
+//   without, groups of 32 (IQ4_XS): its file's 8 bytes, d (W fp16), scales_h (W uint16: 2 high bits of each of
+//     the 8 scales) and scales_l (W uint32: their low nibbles); a scale is those 6 bits - 32.
 // scale = d * sc and offset = -(dmin * m), each one fp32 product of exact values: the values
 // models/quant_formats.py's decoders give (the reference's), so a weight's bits do not depend on the form.
 #pragma once
@@ -24,7 +25,11 @@ namespace {
 constexpr int64_t SUPER = 256;  // inputs per super-block
 constexpr int64_t MIN_RECORD = 14;  // bytes per lane of a record with mins
 
-inline int64_t record_bytes(bool mins, int64_t group) { return (mins ? MIN_RECORD : 2 + SUPER / group) * W; }
+constexpr int64_t PACKED_SCALES_GROUP = 32;  // records without mins of this group size: IQ4_XS's 6-bit scales
+
+inline int64_t record_bytes(bool mins, int64_t group) {
+  return (mins ? MIN_RECORD : group == PACKED_SCALES_GROUP ? 8 : 2 + SUPER / group) * W;
+}
 
 inline vu load_words(const uint8_t* p) {
   vu v;
@@ -63,6 +68,16 @@ struct GroupScales {
     return {((w2 >> s) & 15u) | ((w0 >> (s + 2)) & 48u), ((w2 >> (s + 4)) & 15u) | ((w1 >> (s + 2)) & 48u)};
   }
 
+  // group i's signed scale of a record without mins, as fp32 (exact): an int8, or IQ4_XS's 6 bits - 32
+  vf signed_scale(const uint8_t* rec, int64_t i) const {
+    if (group != PACKED_SCALES_GROUP) return load_i8_f(rec + (2 + i) * W);
+    vh h;
+    std::memcpy(&h, rec + 2 * W, sizeof h);
+    const vu high = (__builtin_convertvector(h, vu) >> (2 * i)) & 3u;
+    const vu code = ((load_words(rec + 4 * W) >> (4 * i)) & 15u) | (high << 4);
+    return to_f(code) - 32.f;
+  }
+
   template <typename F>
   vf scale(int64_t p, int64_t g) const {
     if constexpr (!F::SUPER) {
@@ -74,7 +89,7 @@ struct GroupScales {
       if constexpr (F::OFFSET) {
         return d * to_f(scale_min(rec, i).first);
       } else {
-        return d * load_i8_f(rec + (2 + i) * W);
+        return d * signed_scale(rec, i);
       }
     }
   }
@@ -126,7 +141,7 @@ struct GroupScales {
             put(o + at + (4 + k) * W, -(dmin * to_f(((w2 >> (8 * k + 4)) & 15u) | ((w1 >> (8 * k + 2)) & 48u))));
           }
         } else {
-          for (int64_t k = 0; k < per; ++k) put(buf + at + k * W, d * load_i8_f(rec + (2 + k) * W));
+          for (int64_t k = 0; k < per; ++k) put(buf + at + k * W, d * signed_scale(rec, k));
         }
       }
     return {buf, F::OFFSET ? o : nullptr, groups, group, Form::F32, p};
@@ -147,12 +162,13 @@ struct GroupScales {
   }
 };
 
-// Superblocks (N, K / 256, 16 with mins: the block's first 16 bytes, d, dmin, 12 scale bytes; without: 2 + 256 /
-// group, d then an int8 scale per group) -> (records (panels, supers, record_bytes), dmin (panels, supers, W) fp16
-// or empty), zero padded as pack_panels pads the codes
+// Superblocks (N, K / 256, 16 with mins: the block's first 16 bytes, d, dmin, 12 scale bytes; without, groups of
+// 16: 18, d then an int8 scale per group; of 32: IQ4_XS's first 8 bytes) -> (records (panels, supers,
+// record_bytes), dmin (panels, supers, W) fp16 or empty), zero padded as pack_panels pads the codes
 inline std::pair<at::Tensor, at::Tensor> pack_records(const at::Tensor& superblocks, bool mins, int64_t group,
                                                       int64_t panels) {
-  const int64_t in_bytes = mins ? 16 : 2 + SUPER / group;
+  const bool packed_scales = !mins && group == PACKED_SCALES_GROUP;
+  const int64_t in_bytes = mins ? 16 : packed_scales ? 8 : 2 + SUPER / group;
   TORCH_CHECK(superblocks.dim() == 3 && superblocks.scalar_type() == at::kByte && superblocks.size(2) == in_bytes,
               "superblocks must be uint8 (out_features, in_features / 256, ", in_bytes, ")");
   TORCH_CHECK(mins ? group == 32 : (group == 16 || group == 32), "superblock scales take groups of 32 (or 16 without mins)");
@@ -172,6 +188,9 @@ inline std::pair<at::Tensor, at::Tensor> pack_records(const at::Tensor& superblo
       if (mins) {
         std::memcpy(dm + (p * supers + s) * W + j, b + 2, 2);
         for (int t = 0; t < 3; ++t) std::memcpy(r + (2 + 4 * t) * W + 4 * j, b + 4 + 4 * t, 4);
+      } else if (packed_scales) {
+        std::memcpy(r + 2 * W + 2 * j, b + 2, 2);  // scales_h
+        std::memcpy(r + 4 * W + 4 * j, b + 4, 4);  // scales_l
       } else {
         for (int64_t i = 0; i < SUPER / group; ++i) r[(2 + i) * W + j] = b[2 + i];
       }
@@ -184,9 +203,10 @@ inline std::pair<at::Tensor, at::Tensor> pack_records(const at::Tensor& superblo
 inline int64_t check_records(const at::Tensor& scales, const at::Tensor& offsets, int64_t bits, int64_t group,
                              int64_t k_dim, int64_t panels) {
   const bool mins = offsets.numel() > 0;
-  const bool fits = mins ? group == 32 && bits != 6 : (group == 16 || group == 32) && (bits == 8 || bits == 6);
+  const bool fits = mins ? group == 32 && bits != 6 && bits != TABLE
+                          : (group == 16 || group == 32) && (bits == 8 || bits == 6 || (bits == TABLE && group == 32));
   TORCH_CHECK(k_dim % SUPER == 0 && fits, "superblock scales take K a multiple of 256: with mins, groups of 32 and 4-, "
-              "5- or 8-bit codes; without, groups of 16 or 32 and 6- or 8-bit codes");
+              "5- or 8-bit codes; without, groups of 16 or 32 and 6- or 8-bit codes, or table codes in groups of 32");
   TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() &&
                   scales.sizes() == at::IntArrayRef({panels, k_dim / SUPER, record_bytes(mins, group)}) &&
                   (!mins || (offsets.scalar_type() == at::kHalf && offsets.is_contiguous() &&
@@ -199,11 +219,12 @@ inline int64_t check_records(const at::Tensor& scales, const at::Tensor& offsets
 // `superblocks`: whether the caller's kernel takes the superblock form.
 inline int64_t check_panels(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
                             int64_t group, int64_t k_dim, int64_t out_features, bool superblocks = false) {
-  TORCH_CHECK(bits == 4 || bits == 8 || (superblocks && planes(int(bits))), "bits must be 4 or 8",
-              superblocks ? " (or 5, 6)" : "");
+  TORCH_CHECK(bits == 4 || bits == 8 || (superblocks && own_width(int(bits))), "bits must be 4 or 8",
+              superblocks ? " (or 5, 6, or TABLE)" : "");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(0) % QUAD == 0,
               "codes must be packed by this library");
-  TORCH_CHECK(codes.size(1) == k_dim * W * bits / 8, "the weights do not take ", k_dim, " input features");
+  TORCH_CHECK(codes.size(1) == k_dim * W * code_width(int(bits)) / 8, "the weights do not take ", k_dim,
+              " input features");
   TORCH_CHECK(out_features > codes.size(0) * W - QUAD * W && out_features <= codes.size(0) * W,
               "out_features does not match the panels");
   if (form_of(scales) == Form::SUPER) {
@@ -264,6 +285,7 @@ at::Tensor unpack_rows(const at::Tensor& codes, const at::Tensor& scales, const 
               code |= ((panel[high_byte] >> high_shift) & ((1 << (bits - 4)) - 1)) << 4;
               code -= code_bias(int(bits));
             }
+            if (bits == TABLE) code = TABLE_VALUES[code];
           }
           float w = float(code) * scale;
           if (has_offsets) w = w + offset;  // NOTE: two roundings, as the reference's (no fused multiply-add)

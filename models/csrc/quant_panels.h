@@ -11,6 +11,8 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -123,28 +125,40 @@ using CodePlace = std::pair<int64_t, int> (*)(int64_t bits, int64_t j, int64_t k
 
 // Codes (N, K) int8 -> (panels, panel_bytes) uint8, each code where PLACE puts it (a 5- or 6-bit code's nibble;
 // its higher bits where HIGH does: code_planes.h), whole quads of panels zero padded (no tile ever reads past the
-// tensor). 6-bit codes are given as their values (-32..31) and stored + 32.
+// tensor). 6-bit codes are given as their values (-32..31) and stored + 32; table codes as their values, and
+// stored as their indices.
 template <CodePlace PLACE, int64_t LANE_BYTES, CodePlace HIGH = nullptr>
 at::Tensor pack_codes(const at::Tensor& q, int64_t bits) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "codes must be int8 (out_features, in_features)");
-  TORCH_CHECK(bits == 4 || bits == 8 || (HIGH != nullptr && planes(int(bits))), "bits must be 4 or 8",
-              HIGH != nullptr ? " (or 5, 6)" : "");
+  TORCH_CHECK(bits == 4 || bits == 8 || (HIGH != nullptr && own_width(int(bits))), "bits must be 4 or 8",
+              HIGH != nullptr ? " (or 5, 6, or TABLE)" : "");
   const int64_t lo = -code_bias(int(bits)), hi = (int64_t(1) << bits) - code_bias(int(bits));
-  TORCH_CHECK(bits == 8 || q.numel() == 0 || (q.min().item<int8_t>() >= lo && q.max().item<int8_t>() < hi),
+  TORCH_CHECK(bits == 8 || bits == TABLE || q.numel() == 0 ||
+                  (q.min().item<int8_t>() >= lo && q.max().item<int8_t>() < hi),
               bits, "-bit codes must be in ", lo, "..", hi - 1);
   const int64_t n = q.size(0), k_dim = q.size(1);
-  const int64_t panels = (n + QUAD * W - 1) / (QUAD * W) * QUAD, panel_bytes = k_dim * W * bits / 8;
+  const int64_t panels = (n + QUAD * W - 1) / (QUAD * W) * QUAD, panel_bytes = k_dim * W * code_width(int(bits)) / 8;
   const at::Tensor qc = q.contiguous();
   at::Tensor codes = at::zeros({panels, panel_bytes}, q.options().dtype(at::kByte));
   const int8_t* src = qc.data_ptr<int8_t>();
   uint8_t* dst = codes.data_ptr<uint8_t>();
+  std::array<int16_t, 256> index{};  // table codes: value + 128 -> index
+  for (int v = 0; v < 256; ++v) index[v] = int16_t(table_index(v - 128));
+  std::atomic<bool> off_table{false};
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t j = 0; j < W && p * W + j < n; ++j) {
         uint8_t* panel = dst + panel_offset(p, panel_bytes, LANE_BYTES);
         const int8_t* row = src + (p * W + j) * k_dim;
         for (int64_t k = 0; k < k_dim; ++k) {
-          const int code = row[k] + code_bias(int(bits));
+          int code = row[k] + code_bias(int(bits));
+          if (bits == TABLE) {
+            code = index[row[k] + 128];
+            if (code < 0) {
+              off_table = true;
+              code = 0;
+            }
+          }
           const auto [byte, shift] = PLACE(bits, j, k);
           // NOTE: into zeros: an 8-bit code's byte is the code
           panel[byte] |= uint8_t((planes(int(bits)) ? code & 15 : code) << shift);
@@ -157,6 +171,7 @@ at::Tensor pack_codes(const at::Tensor& q, int64_t bits) {
         }
       }
   });
+  TORCH_CHECK(!off_table, "table codes must be IQ4_NL's values");
   return codes;
 }
 

@@ -195,6 +195,9 @@ inline vq bcast4(const int8_t* x) {
 inline vq zero_q() { return _mm512_setzero_si512(); }
 inline vq splat_q(int32_t v) { return _mm512_set1_epi32(v); }
 inline vq flip_signs(vq w) { return _mm512_xor_si512(w, _mm512_set1_epi8(-128)); }  // w + 128, as unsigned bytes
+// 16 bytes in every 128-bit lane, and each byte of idx (0..15) replaced by its entry: vpshufb's table lookup
+inline vq table16(const int8_t* t) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t))); }
+inline vq lookup16(vq table, vq idx) { return _mm512_shuffle_epi8(table, idx); }
 // acc + per 32-bit lane the sum of 4 products of unsigned u and signed s bytes
 inline vq dot_us(vq acc, vq u, vq s) {
 #if defined(__AVX512VNNI__)
@@ -240,6 +243,10 @@ inline vq dot_us(vq acc, vq u, vq s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 inline vq dot_ss(vq acc, vq w, vq x) { return dot_us(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+inline vq table16(const int8_t* t) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+}
+inline vq lookup16(vq table, vq idx) { return _mm256_shuffle_epi8(table, idx); }
 inline void nibbles(vq c, vq& lo, vq& hi) {
   const vq mask = _mm256_set1_epi8(15);
   lo = _mm256_and_si256(c, mask);
@@ -285,6 +292,15 @@ inline vq dot_ss(vq acc, vq w, vq x) {
   for (int j = 0; j < W; ++j)
     for (int t = 0; t < 4; ++t) acc.acc[j] += int32_t(int8_t(w.b[4 * j + t])) * int32_t(int8_t(x.b[4 * j + t]));
   return acc;
+}
+inline vq table16(const int8_t* t) {
+  vq v{};
+  std::memcpy(v.b, t, 16);
+  return v;
+}
+inline vq lookup16(vq table, vq idx) {
+  for (int i = 0; i < W * 4; ++i) idx.b[i] = table.b[idx.b[i] & 15];
+  return idx;
 }
 inline void nibbles(vq c, vq& lo, vq& hi) {
   for (int i = 0; i < W * 4; ++i) {
