@@ -130,8 +130,10 @@ def _q5(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 
 def _q5_0(b):
-    # Signed codes q - 16 and no offset: the reference's d * (q - 16), one exact product.
-    return _q5(b[:, 2:6], b[:, 6:]) - 16, _f16(b[:, :2]), None
+    # As Q4_0: the reference's d * (q - 16) as q*d + (-16d), exact in float32 (q*d has at most 16 significant
+    # bits), so that its codes stay unsigned 5-bit ones (models/csrc/code_planes.h)
+    d = _f16(b[:, :2])
+    return _q5(b[:, 2:6], b[:, 6:]), d, -16 * d
 
 
 def _q5_1(b):
@@ -243,7 +245,7 @@ _SUPERBLOCKS = {
     T.Q3_K: lambda b: _d_and_scales(b[:, 108:110], _q3_k_scales(b)),
     T.IQ4_XS: lambda b: b[:, :8],
 }
-_OFFSET_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K, T.Q2_K})  # decoders that give offsets
+_OFFSET_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q2_K})  # decoders that give offsets
 _NATIVE_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K})  # gguf_codes's
 
 

@@ -174,7 +174,7 @@ PACK_WEIGHTS = 1 << 20  # a chunk's weights: its decode holds ~10 bytes a weight
 
 TABLE_CODES = -4  # `bits` of IQ4's codes as 4-bit indices into its table (models/csrc/code_planes.h TABLE)
 # kinds whose codes the int8 kernel keeps in their files' bits
-OWN_BITS = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5, "IQ4_XS": TABLE_CODES, "IQ4_NL": TABLE_CODES}
+OWN_BITS = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5, "Q5_0": 5, "IQ4_XS": TABLE_CODES, "IQ4_NL": TABLE_CODES}
 
 
 def packed_bits(weight: RowSource, int8: bool) -> int:
