@@ -199,8 +199,8 @@ def serving_dtype(path: str | Path, dtype: str = "auto", device: str = "cpu") ->
 def estimate_weight_bytes(ckpt: HFCheckpoint, dtype: torch.dtype, quantization: str = "none") -> int | None:
     """The weights' bytes as served, from a lazy checkpoint's shapes alone (nothing read); None where they are
     not known. GGUF matrices kept quantized as packed (packed_bytes: an upper bound, but for a fused matrix of
-    mixed types, which takes its widest part's form); the rest in the compute dtype, or as `quantization`
-    packs the layers' matrices."""
+    mixed types on the exact kernel, which takes its widest part's form; the int8 kernel keeps each part's own);
+    the rest in the compute dtype, or as `quantization` packs the layers' matrices."""
     shapes = getattr(ckpt.tensors, "shapes", None)
     if not shapes:
         return None

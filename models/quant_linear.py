@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.native.libraries import available
-from models.quant_formats import dequantize_codes
+from models.quant_formats import RowStack, dequantize_codes
 
 if TYPE_CHECKING:
-    from models.quant_formats import GGUFRows, QuantizedTensor, RowStack
+    from models.quant_formats import GGUFRows, QuantizedTensor
 
     RowSource = QuantizedTensor | GGUFRows | RowStack
 
@@ -74,6 +74,15 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
         self.mode = linear_mode(weight, torch.device(device))
         self.int8_activations = self.mode == "packed" and activations == "int8" and int8_packable(weight)
+        self.parts = None  # or the QuantLinears of a fused matrix's runs of one kind, side by side
+        runs = kind_runs(weight) if self.int8_activations else []
+        if len(runs) > 1:
+            # NOTE: a fused matrix of mixed GGUF types (Q4_K_M's q/k/v: Q4_K, Q4_K, Q6_K) packed as one would take
+            # the generic form (8-bit codes, fp32 scales per 16: 12 bits a weight); each run keeps its own form
+            biases = [None] * len(runs) if bias is None else bias.split([r.shape[0] for r in runs])
+            self.parts = nn.ModuleList(QuantLinear(r, b, dtype, device, activations) for r, b in zip(runs, biases))
+            self.bias = None
+            return
         if self.mode == "packed":
             self.bits = packed_bits(weight, self.int8_activations)
             codes, scales, offsets = pack_by_rows(weight, self.int8_activations)
@@ -102,6 +111,8 @@ class QuantLinear(nn.Module):
                                  persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts is not None:
+            return torch.cat([part(x) for part in self.parts], dim=-1)
         if self.mode == "packed":
             op = torch.ops.attnserve.q8_linear if self.int8_activations else torch.ops.attnserve.quant_linear
             return op(x, self.codes, self.scales, self.offsets, self.bias, self.bits, self.group_size,
@@ -175,6 +186,21 @@ PACK_WEIGHTS = 1 << 20  # a chunk's weights: its decode holds ~10 bytes a weight
 TABLE_CODES = -4  # `bits` of IQ4's codes as 4-bit indices into its table (models/csrc/code_planes.h TABLE)
 # kinds whose codes the int8 kernel keeps in their files' bits
 OWN_BITS = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5, "Q5_0": 5, "IQ4_XS": TABLE_CODES, "IQ4_NL": TABLE_CODES}
+
+
+def kind_runs(weight: RowSource) -> list[RowSource]:
+    """A RowStack of mixed kinds as its runs of consecutive parts of one kind (each a part or a RowStack); [] for
+    any other weight."""
+    parts = getattr(weight, "parts", None)
+    if parts is None or len({p.kind for p in parts}) == 1:
+        return []
+    runs: list[list] = []
+    for p in parts:
+        if runs and runs[-1][0].kind == p.kind:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return [r[0] if len(r) == 1 else RowStack(r) for r in runs]
 
 
 def packed_bits(weight: RowSource, int8: bool) -> int:

@@ -11,6 +11,7 @@ from kvcache.storage import KVCacheSpec, PagedKVCache
 from models.loader import load_for_serving, serving_dtype
 from models.rope import rope_cos_sin
 from server.engine.native_decoder import NativeDecoder, unsupported
+from tests.tiny_gguf import MIXED, make_tiny_llama_256, write_tiny_gguf
 
 pytestmark = [pytest.mark.kernel, pytest.mark.tiles]  # make test-isa runs this file again under the AVX2 cap, on the portable build and on emulated AMX tiles
 
@@ -72,6 +73,24 @@ def test_native_decoder_equals_the_model(tiny_checkpoints, arch, scheme, dtype, 
             tol = 0.02 if dtype == "bfloat16" else 1e-4 if activations == "exact" else 0.05
             torch.testing.assert_close(mine.float(), theirs_.float(), atol=tol, rtol=tol)
             assert mine[:6].abs().sum() > 0  # the blocks the steps used were written
+
+
+def test_a_fused_matrix_of_mixed_gguf_types_runs_in_its_parts(tmp_path):
+    """MIXED's q/k/v (Q4_K, Q6_K, Q8_0) and gate/up (Q4_1, Q5_K): on the int8 kernel each run of one type keeps its
+    own form (QuantLinear.parts), and the C++ stack calls each part and joins their outputs as the model does."""
+    hf = make_tiny_llama_256(tmp_path / "hf")
+    write_tiny_gguf(tmp_path / "mixed", hf, MIXED)
+    model = load_for_serving(tmp_path / "mixed", dtype="float32", quantization="auto", activations="int8")
+    qkv, gate_up = model.layers[0].attn.qkv_proj, model.layers[0].mlp.gate_up_proj
+    assert [p.kind for p in qkv.parts] == ["Q4_K", "Q6_K", "Q8_0"] and [p.kind for p in gate_up.parts] == ["Q4_1", "Q5_K"]
+    assert qkv.parts[0].scales.dtype == torch.uint8 and qkv.parts[1].bits == 6  # records; six-bit codes
+    cfg = model.config
+    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, BLOCK)
+    ours = run_steps(NativeDecoder(model), model, PagedKVCache(spec, 8), seed=2)
+    theirs = run_steps(model, model, PagedKVCache(spec, 8), seed=2)
+    for a, b in zip(ours, theirs):  # as the int8 cases above: a last-bit difference can flip an int8 rounding
+        assert torch.isclose(a, b, atol=1e-4, rtol=1e-4).float().mean() >= 0.8
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

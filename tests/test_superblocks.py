@@ -98,17 +98,22 @@ def test_a_row_is_the_same_bits_whatever_the_rows_beside_it(kind, dtype):
     assert_rows_alone(layer, dtype)
 
 
-def test_modules_take_the_records_of_one_kind_and_per_group_scales_for_a_mixed_stack():
+def test_modules_take_the_records_of_one_kind_and_a_mixed_stack_in_parts_of_one_kind():
     q, v = GGUFRows(raw(T.Q4_K, n=64, seed=1), T.Q4_K, K), GGUFRows(raw(T.Q6_K, n=32, seed=2), T.Q6_K, K)
-    one = QuantLinear(RowStack([q, GGUFRows(raw(T.Q4_K, n=32, seed=3), T.Q4_K, K)]), None, torch.float32,
-                      activations="int8")
-    mixed = QuantLinear(RowStack([q, v]), None, torch.float32, activations="int8")
+    k = GGUFRows(raw(T.Q4_K, n=32, seed=3), T.Q4_K, K)
+    one = QuantLinear(RowStack([q, k]), None, torch.float32, activations="int8")
+    bias = torch.randn(128)
+    mixed = QuantLinear(RowStack([q, k, v]), bias, torch.float32, activations="int8")  # Q4_K_M's q/k/v
     exact = QuantLinear(q, None, torch.float32)  # the exact kernel keeps per-group scales
-    assert one.scales.dtype == torch.uint8 and mixed.scales.dtype == torch.float32
-    assert exact.scales.dtype == torch.float32
+    assert one.scales.dtype == torch.uint8 and one.parts is None and exact.scales.dtype == torch.float32
+    # the runs q+k (Q4_K) and v (Q6_K), each in its file's bytes: no part widens to the generic form
+    assert [(p.kind, p.out_features, p.bits, p.scales.dtype) for p in mixed.parts] == [
+        ("Q4_K", 96, 4, torch.uint8), ("Q6_K", 32, 6, torch.uint8)]
     x = torch.randn(3, K)
-    whole = torch.cat([q.materialize().dequantize(), v.materialize().dequantize()])
-    assert (mixed(x) - x @ whole.T).abs().max() < 0.05 * (x @ whole.T).abs().max()
+    own = torch.cat([one(x), QuantLinear(v, None, torch.float32, activations="int8")(x)], -1) + bias
+    assert torch.equal(mixed(x), own)
+    whole = torch.cat([q.materialize().dequantize(), k.materialize().dequantize(), v.materialize().dequantize()])
+    assert (mixed(x) - x @ whole.T - bias).abs().max() < 0.05 * (x @ whole.T).abs().max()
     head = QuantLinear(q, None, torch.float32, activations="int8")
     table = QuantEmbedding.tied(head, torch.float32)
     ids = torch.tensor([0, 7, 63])

@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 
@@ -32,11 +33,23 @@ namespace {
 
 constexpr int64_t ELEMENTS_PER_TASK = 1 << 15;  // rows of elementwise work below this run on one thread
 
-struct Linear {
+struct Part {
   at::Tensor codes, scales, offsets;
   std::optional<at::Tensor> bias;
   int64_t bits, group_size, out_features;
   bool int8_activations;  // packed for models/csrc/q8_linear.cpp, else quant_linear.cpp
+};
+
+// A linear's output features in parts, side by side: one, or a fused matrix of mixed GGUF types whose parts each
+// keep their own form (models/quant_linear.py QuantLinear.parts)
+struct Linear {
+  std::vector<Part> parts;
+
+  int64_t out_features() const {
+    int64_t n = 0;
+    for (const Part& p : parts) n += p.out_features;
+    return n;
+  }
 };
 
 struct Layer {
@@ -68,7 +81,7 @@ c10::TypedOperatorHandle<Fn> linear_op(const char* name) {
 }
 
 // `prompt_rows`: (T,) bool, the rows that are prompt tokens (q8_linear takes them on bf16 tiles where it has them)
-at::Tensor quant_linear(const at::Tensor& x, const Linear& w, const std::optional<at::Tensor>& prompt_rows) {
+at::Tensor part_linear(const at::Tensor& x, const Part& w, const std::optional<at::Tensor>& prompt_rows) {
   // NOTE: each looked up on its first use, when the library of those linears has been loaded
   if (w.int8_activations) {
     static const auto int8 = linear_op<Int8LinearFn>("attnserve::q8_linear");
@@ -77,6 +90,13 @@ at::Tensor quant_linear(const at::Tensor& x, const Linear& w, const std::optiona
   }
   static const auto exact = linear_op<LinearFn>("attnserve::quant_linear");
   return exact.call(x, w.codes, w.scales, w.offsets, w.bias, w.bits, w.group_size, c10::SymInt(w.out_features));
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const Linear& w, const std::optional<at::Tensor>& prompt_rows) {
+  if (w.parts.size() == 1) return part_linear(x, w.parts[0], prompt_rows);
+  std::vector<at::Tensor> ys;
+  for (const Part& p : w.parts) ys.push_back(part_linear(x, p, prompt_rows));
+  return at::cat(ys, -1);
 }
 
 // y (T, out) += each adapter row's delta of x (T, in), in place
@@ -218,21 +238,27 @@ class DecoderStack : public torch::CustomClassHolder {
                 "head counts or head_dim out of range");
   }
 
-  // linears: 4 x (codes, scales, offsets, bias) for qkv, o, gate_up, down; an empty bias means none.
-  // sizes: 4 x (bits, group_size, out_features, int8 activations 0/1).
+  // linears: per part of qkv, o, gate_up and down in turn, (codes, scales, offsets, bias); an empty bias means none.
+  // sizes: per linear its number of parts, then per part (bits, group_size, out_features, int8 activations 0/1).
   void add_layer(at::Tensor attn_norm, at::Tensor mlp_norm, std::vector<at::Tensor> linears,
                  std::vector<int64_t> sizes) {
-    TORCH_CHECK(linears.size() == 16 && sizes.size() == 16, "4 linears: 4 tensors and 4 sizes each");
     Linear w[4];
+    size_t t = 0, s = 0;
     for (int i = 0; i < 4; ++i) {
-      const at::Tensor& bias = linears[4 * i + 3];
-      w[i] = {linears[4 * i], linears[4 * i + 1], linears[4 * i + 2],
-              bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt, sizes[4 * i], sizes[4 * i + 1],
-              sizes[4 * i + 2], sizes[4 * i + 3] != 0};
+      TORCH_CHECK(s < sizes.size() && sizes[s] > 0, "each linear: its number of parts first");
+      const int64_t parts = sizes[s++];
+      TORCH_CHECK(t + 4 * parts <= linears.size() && s + 4 * parts <= sizes.size(), "4 tensors and 4 sizes a part");
+      for (int64_t j = 0; j < parts; ++j, t += 4, s += 4) {
+        const at::Tensor& bias = linears[t + 3];
+        w[i].parts.push_back({linears[t], linears[t + 1], linears[t + 2],
+                              bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt, sizes[s], sizes[s + 1],
+                              sizes[s + 2], sizes[s + 3] != 0});
+      }
     }
+    TORCH_CHECK(t == linears.size() && s == sizes.size(), "4 linears: nothing after the last part");
     const int64_t q = num_heads_ * head_dim_, kv = num_kv_heads_ * head_dim_;
-    TORCH_CHECK(w[0].out_features == q + 2 * kv && w[2].out_features == 2 * intermediate_size_ &&
-                    w[1].out_features == w[3].out_features && w[1].out_features == attn_norm.numel(),
+    TORCH_CHECK(w[0].out_features() == q + 2 * kv && w[2].out_features() == 2 * intermediate_size_ &&
+                    w[1].out_features() == w[3].out_features() && w[1].out_features() == attn_norm.numel(),
                 "linear shapes do not fit the stack");
     layers_.push_back({attn_norm.contiguous(), mlp_norm.contiguous(), w[0], w[1], w[2], w[3]});
   }

@@ -90,9 +90,12 @@ class NativeDecoder:
             tensors: list[torch.Tensor] = []
             sizes: list[int] = []
             for linear in _linears(layer):
-                bias = linear.bias.detach() if linear.bias is not None else torch.empty(0)  # NOTE: empty = no bias
-                tensors += [linear.codes, linear.scales, linear.offsets, bias]
-                sizes += [linear.bits, linear.group_size, linear.out_features, int(linear.int8_activations)]
+                parts = linear.parts if linear.parts is not None else [linear]
+                sizes.append(len(parts))
+                for part in parts:
+                    bias = part.bias.detach() if part.bias is not None else torch.empty(0)  # NOTE: empty = no bias
+                    tensors += [part.codes, part.scales, part.offsets, bias]
+                    sizes += [part.bits, part.group_size, part.out_features, int(part.int8_activations)]
             self.stack.add_layer(layer.attn_norm.weight.detach(), layer.mlp_norm.weight.detach(), tensors, sizes)
         self.lora_slots = lora_slots
         self.rope_tables = (torch.empty(0, cfg.head_dim), torch.empty(0, cfg.head_dim))  # cos, sin for positions [0, P)
