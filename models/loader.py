@@ -18,7 +18,7 @@ from models.native.memory import release_freed_memory
 from models.native.probe import detect
 from models.parallel import shard_config, split
 from models.quant_formats import QuantizedTensor, is_quantized, packed_bytes, quantize_rtn, rtn_bytes
-from models.quant_linear import PACK_WEIGHTS, QuantEmbedding, QuantLinear, linear_mode
+from models.quant_linear import PACK_WEIGHTS, QuantEmbedding, QuantLinear, kind_runs, linear_mode, packed_bits
 from models.registry import stored_gguf
 from models.transformer import DecoderLM
 from models.weights import hf_to_internal
@@ -103,7 +103,9 @@ class _Packer:
         if name == "embed.weight" and linear_mode(t, torch.device(self.device)) != "packed":
             self.table = t.materialize()  # rows gathered from the codes (QuantEmbedding); a tied head packs its own
             return self.table
-        activations = "int8" if t.bits in self.int8_bits else "exact"
+        # NOTE: by the int8 kernel's form of each run of one type (a fused matrix of mixed types runs as its parts)
+        forms = {packed_bits(r, True) for r in kind_runs(t) or [t]}
+        activations = "int8" if forms <= self.int8_bits else "exact"
         linear = QuantLinear(t, None, self.dtype, self.device, activations)  # packed in huge pages, by rows
         if math.prod(t.shape) > PACK_WEIGHTS:  # NOTE: glibc keeps the chunks' pages otherwise (a 1B model: 310 MB)
             release_freed_memory()

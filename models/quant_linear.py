@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.native.cpu_path import TABLE_CODES
 from models.native.libraries import available
 from models.quant_formats import RowStack, dequantize_codes
 
@@ -183,8 +184,7 @@ PACK_ROWS = 256  # rows per chunk: whole quads of panels at any lane count (W = 
 PACK_WEIGHTS = 1 << 20  # a chunk's weights: its decode holds ~10 bytes a weight for a moment
 
 
-TABLE_CODES = -4  # `bits` of IQ4's codes as 4-bit indices into its table (models/csrc/code_planes.h TABLE)
-# kinds whose codes the int8 kernel keeps in their files' bits
+# kinds whose codes the int8 kernel keeps in their files' bits (TABLE_CODES: IQ4's 4-bit indices into its table)
 OWN_BITS = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5, "Q5_0": 5, "IQ4_XS": TABLE_CODES, "IQ4_NL": TABLE_CODES}
 
 

@@ -27,6 +27,7 @@ from models.native.cpu_features import (
 from models.native.cpu_path import (
     DTYPES,
     INT8_KERNELS,
+    TABLE_CODES,
     CpuCapabilities,
     CpuPath,
     choose_cpu_path,
@@ -264,17 +265,18 @@ def test_path_choice(caps, requested, source, fits, expected):
         assert "without bf16 arithmetic" in path.note and path.note in path.describe()
 
 
-# (capabilities, --activations) -> the code widths whose linears take int8 activations
+# (capabilities, --activations) -> the int8 kernel's code forms whose linears take int8 activations
+ALL = {4, 5, 6, 8, TABLE_CODES}
 ACTIVATION_CHOICES = [
-    (ZEN4, "auto", {4, 8}), (AMX, "auto", {4, 8}), (AVX512, "auto", {4}), (AVX2, "auto", {4}), (GENERIC, "auto", set()),
-    (ZEN4, "int8", {4, 8}), (GENERIC, "int8", {4, 8}), (ZEN4, "exact", set()), (AVX2, "exact", set()),
+    (ZEN4, "auto", ALL), (AMX, "auto", ALL), (AVX512, "auto", ALL - {8}), (AVX2, "auto", ALL - {8}),
+    (GENERIC, "auto", set()), (ZEN4, "int8", ALL), (GENERIC, "int8", ALL), (ZEN4, "exact", set()), (AVX2, "exact", set()),
 ]
 
 
 @pytest.mark.parametrize("caps,requested,expected", ACTIVATION_CHOICES)
 def test_int8_activations_choice(caps, requested, expected):
-    """auto: int8 where an integer dot product is measured faster: 4-bit codes, and 8-bit ones with VNNI
-    (without it 0.8x at batch 1); exact on the portable build; an explicit switch holds everywhere."""
+    """auto: int8 where an integer dot product is measured faster: 4-, 5- and 6-bit and table codes, and 8-bit ones
+    with VNNI (without it 0.8x at batch 1); exact on the portable build; an explicit switch holds everywhere."""
     assert int8_code_bits(caps, requested) == frozenset(expected)
 
 

@@ -31,13 +31,19 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4_g128")
 # activations of the quantized linears: exact (fp32 sums: the dequantized weights' result), int8
 # (each row rounded to int8 per block of 32, integer dot products: models/csrc/q8_linear.cpp), or auto
 ACTIVATIONS = ("auto", "exact", "int8")
-# Where auto means int8: per level, the code widths (4, 8 bits) measured faster than exact at every M and
-# within the perplexity bounds (docs/benchmarks.md, "8-bit activations"). 4-bit codes gain 1.1-1.8x. With
-# VNNI, 8-bit codes are even at M=1 and 1.2-1.6x from M=8 on against the batch-invariant exact kernel
-# (whose bf16 rows are fp32 sums: docs/benchmarks.md, "Batch invariance"); without VNNI they are 0.8x
-# at M=1 (AVX2), so they stay exact there. The portable build has no integer dot product: exact.
-INT8_BY_DEFAULT = {"amx": frozenset({4, 8}), "avx512_bf16": frozenset({4, 8}), "avx512": frozenset({4}),
-                   "avx2": frozenset({4})}
+# The code forms of the int8 kernel (models/quant_linear.py packed_bits): 4, 5, 6 and 8 bits, and TABLE_CODES,
+# IQ4's 4-bit indices into its table (models/csrc/code_planes.h TABLE)
+TABLE_CODES = -4
+CODE_FORMS = frozenset({4, 5, 6, 8, TABLE_CODES})
+# Where auto means int8: per level, the code forms measured faster than exact at every M and within the
+# perplexity bounds (docs/benchmarks.md, "8-bit activations"). 4-bit codes gain 1.1-1.8x. With VNNI, 8-bit
+# codes are even at M=1 and 1.2-1.6x from M=8 on against the batch-invariant exact kernel (whose bf16 rows are
+# fp32 sums: docs/benchmarks.md, "Batch invariance"); without VNNI they are 0.8x at M=1 (AVX2), so they stay
+# exact there. The files' own 5- and 6-bit and table codes (Q5_K, Q6_K, IQ4_XS), which the exact kernel holds as
+# 8-bit codes, were 1.2-2.0x exact under the AVX2 cap at M = 1..512 (docs/benchmarks.md "GGUF at real sizes").
+# The portable build has no integer dot product: exact.
+INT8_BY_DEFAULT = {"amx": CODE_FORMS, "avx512_bf16": CODE_FORMS, "avx512": CODE_FORMS - {8},
+                   "avx2": CODE_FORMS - {8}}
 # What runs the integer dot products at each level (`CpuPath.activations`)
 INT8_KERNELS = {"amx": "int8-amx", "avx512_bf16": "int8-vnni", "avx512": "int8-avx512", "avx2": "int8-avx2", "generic": "int8-portable"}
 # Where auto takes a prompt token's rows of the int8-activation linears off the int8 kernel, and onto what
@@ -98,13 +104,13 @@ def resolve_dtype(caps: CpuCapabilities, requested: str, checkpoint_dtype: str, 
 
 
 def int8_code_bits(caps: CpuCapabilities, requested: str) -> frozenset[int]:
-    """The code widths whose linears take int8 activations: all (int8), none (exact), or for auto
-    those measured better at this level (INT8_BY_DEFAULT)."""
+    """The int8 kernel's code forms (CODE_FORMS) whose linears take int8 activations: all (int8), none (exact),
+    or for auto those measured better at this level (INT8_BY_DEFAULT)."""
     if requested not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}")
     if requested == "auto":
         return INT8_BY_DEFAULT.get(caps.isa, frozenset())
-    return frozenset({4, 8}) if requested == "int8" else frozenset()
+    return CODE_FORMS if requested == "int8" else frozenset()
 
 
 def prompt_kernel(caps: CpuCapabilities, requested: str) -> str:
