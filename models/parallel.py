@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models.config import ModelConfig
-from models.quant_formats import QuantizedTensor
+from models.quant_formats import QuantizedTensor, RowStack
 
 if TYPE_CHECKING:
     from models.shm_comm import ShmCommunicator
@@ -119,7 +119,16 @@ def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
 
 
 def _rows(t, ranges: list[tuple[int, int]]):
-
+    if isinstance(t, RowStack):  # NOTE: a fused matrix of mixed types stays a stack: QuantLinear runs it in parts
+        pieces = []
+        for a, b in ranges:
+            first = 0
+            for p in t.parts:
+                lo, hi = max(a, first), min(b, first + p.shape[0])
+                if lo < hi:
+                    pieces.append(p.rows(lo - first, hi - first))
+                first += p.shape[0]
+        return RowStack(pieces)
     index = torch.cat([torch.arange(a, b) for a, b in ranges])
     if isinstance(t, QuantizedTensor):
         return t.select_rows(index)

@@ -130,10 +130,8 @@ def _q5(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 
 def _q5_0(b):
-    # As Q4_0: the reference's d * (q - 16) as q*d + (-16d), exact in float32 (q*d has at most 16 significant
-    # bits), so that its codes stay unsigned 5-bit ones (models/csrc/code_planes.h)
-    d = _f16(b[:, :2])
-    return _q5(b[:, 2:6], b[:, 6:]), d, -16 * d
+    # Signed codes q - 16 and no offset: the reference's d * (q - 16), one exact product.
+    return _q5(b[:, 2:6], b[:, 6:]) - 16, _f16(b[:, :2]), None
 
 
 def _q5_1(b):
@@ -173,8 +171,9 @@ def _q6_k(b):
     return codes, _f16(b[:, 208:]) * sc, None
 
 
-# The types below load and answer exactly, in 8-bit codes (their groups of 16 take no 4-bit kernel, and IQ4's
-# codes are a table's values), not yet in their files' bytes.
+# The types below decode to 8-bit codes (groups of 16 take no 4-bit kernel; IQ4's codes are a table's values). Q2_K
+# and Q3_K load and answer exactly in them; the 8-bit-activation kernel holds IQ4's as their 4-bit indices
+# (models/quant_linear.py packed_bits).
 
 
 def _crumbs(b: np.ndarray) -> np.ndarray:
@@ -245,7 +244,7 @@ _SUPERBLOCKS = {
     T.Q3_K: lambda b: _d_and_scales(b[:, 108:110], _q3_k_scales(b)),
     T.IQ4_XS: lambda b: b[:, :8],
 }
-_OFFSET_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q2_K})  # decoders that give offsets
+_OFFSET_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K, T.Q2_K})  # decoders that give offsets
 _NATIVE_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K})  # gguf_codes's
 
 

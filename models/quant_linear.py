@@ -185,7 +185,7 @@ PACK_WEIGHTS = 1 << 20  # a chunk's weights: its decode holds ~10 bytes a weight
 
 
 # kinds whose codes the int8 kernel keeps in their files' bits (TABLE_CODES: IQ4's 4-bit indices into its table)
-OWN_BITS = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5, "Q5_0": 5, "IQ4_XS": TABLE_CODES, "IQ4_NL": TABLE_CODES}
+OWN_BITS = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5, "IQ4_XS": TABLE_CODES, "IQ4_NL": TABLE_CODES}
 
 
 def kind_runs(weight: RowSource) -> list[RowSource]:

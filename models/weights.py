@@ -124,7 +124,8 @@ class _Kept(dict):
 
     def __setitem__(self, name: str, t) -> None:
         if self.shard is not None:
-            t = shard_tensor(self.cfg, self.shard, name, t.materialize() if is_quantized(t) else t)
+            whole = is_quantized(t) and not isinstance(t, RowStack)  # a stack is cut part by part (parallel._rows)
+            t = shard_tensor(self.cfg, self.shard, name, t.materialize() if whole else t)
         if t is not None:
             super().__setitem__(name, t if self.convert is None else self.convert(name, t))
 

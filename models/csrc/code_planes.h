@@ -1,4 +1,4 @@
-// 5- and 6-bit codes in their own bits (q8_linear.cpp; Q5_K, Q5_1 and Q5_0 as 5 bits, Q6_K as 6), where 8-bit codes
+// 5- and 6-bit codes in their own bits (q8_linear.cpp; Q5_K and Q5_1 as 5 bits, Q6_K as 6), where 8-bit codes
 // took 8 bits a weight: 4-bit nibbles laid out as the 4-bit codes are, and the codes' high bits in a plane row
 // after each block of steps, whose bits are merged into the nibbles as the kernel reaches each step.
 //
@@ -8,7 +8,7 @@
 // in blocks of 2 steps (16 inputs, Q6_K's groups): 2 nibble rows, then a plane row with, at bits 4i + 2h and up,
 // the top two bits of step i's code t + 4h. A block is the activation block of its format (32 and 16 inputs).
 // 6-bit codes are stored as code + 32 (Q6_K's are -32..31) and the kernels take the 32s back from the integer
-// sums exactly (32 x the block's sum of x); 5-bit codes are unsigned (Q5_K, Q5_1, Q5_0: 0..31, with offsets).
+// sums exactly (32 x the block's sum of x); 5-bit codes are unsigned (Q5_K, Q5_1: 0..31, with offsets).
 //
 // IQ4_NL's and IQ4_XS's codes are a table's values (16 int8s, non-uniform): held as their 4-bit indices
 // (`bits` = TABLE), laid out as 4-bit codes, and looked up per step with a byte shuffle (vpshufb), where 8-bit codes

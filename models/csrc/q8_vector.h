@@ -124,7 +124,10 @@ void tile(const Acts& a, const Packed& w, int64_t p0, Y* y, int64_t n, const flo
   const uint8_t* codes[NP];
   for (int p = 0; p < NP; ++p) codes[p] = w.panel(p0 + p);
   // table codes' values (flipped, as 8-bit codes are, where VNNI takes them unsigned)
-  [[maybe_unused]] const vq table = FLIPPED_CODES ? flip_signs(table16(TABLE_VALUES)) : table16(TABLE_VALUES);
+  [[maybe_unused]] const vq table = [] {
+    if constexpr (FLIPPED_CODES) return flip_signs(table16(TABLE_VALUES));
+    else return table16(TABLE_VALUES);
+  }();
   for (int64_t g = 0; g < w.groups; ++g) {
     vf s[NP], o[NP];
     for (int p = 0; p < NP; ++p) {

@@ -328,15 +328,15 @@ void decode_block(int64_t type, const uint8_t* b, int8_t* q, float* s, float* o)
       o[0] = f16(b + 2);
       nibbles(b + 4, q, 16);
       break;
-    case 6:  // Q5_0: d * (q - 16) as q * d + (-16 d), exact in fp32 (as Q4_0's)
+    case 6:  // Q5_0: signed codes q - 16
     case 7: {  // Q5_1
       const bool one = type == 7;
       const uint8_t* qh = b + (one ? 4 : 2);
       s[0] = f16(b);
-      o[0] = one ? f16(b + 2) : -16.f * s[0];
+      if (one) o[0] = f16(b + 2);
       nibbles(qh + 4, q, 16);
       const uint32_t h = qh[0] | qh[1] << 8 | qh[2] << 16 | uint32_t(qh[3]) << 24;
-      for (int i = 0; i < 32; ++i) q[i] = int8_t(q[i] | ((h >> i) & 1) << 4);
+      for (int i = 0; i < 32; ++i) q[i] = int8_t((q[i] | ((h >> i) & 1) << 4) - (one ? 0 : 16));
       break;
     }
     case 12:  // Q4_K
