@@ -120,15 +120,7 @@ def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
 
 def _rows(t, ranges: list[tuple[int, int]]):
     if isinstance(t, RowStack):  # NOTE: a fused matrix of mixed types stays a stack: QuantLinear runs it in parts
-        pieces = []
-        for a, b in ranges:
-            first = 0
-            for p in t.parts:
-                lo, hi = max(a, first), min(b, first + p.shape[0])
-                if lo < hi:
-                    pieces.append(p.rows(lo - first, hi - first))
-                first += p.shape[0]
-        return RowStack(pieces)
+        return RowStack([piece for a, b in ranges for piece in t.pieces(a, b)])
     index = torch.cat([torch.arange(a, b) for a, b in ranges])
     if isinstance(t, QuantizedTensor):
         return t.select_rows(index)

@@ -337,14 +337,18 @@ class RowStack:
         self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
         self.bits, self.group_size, self.has_offset, self.kind = _stacked_format(parts)
 
-    def rows(self, start: int, stop: int) -> QuantizedTensor:
+    def pieces(self, start: int, stop: int) -> list[QuantizedTensor]:
+        """Rows start..stop as each part's rows in them, in order."""
         pieces, first = [], 0
         for p in self.parts:
             lo, hi = max(start, first), min(stop, first + p.shape[0])
             if lo < hi:
                 pieces.append(p.rows(lo - first, hi - first))
             first += p.shape[0]
-        return concat_rows(pieces, like=self)
+        return pieces
+
+    def rows(self, start: int, stop: int) -> QuantizedTensor:
+        return concat_rows(self.pieces(start, stop), like=self)
 
     def materialize(self) -> QuantizedTensor:
         return self.rows(0, self.shape[0])
